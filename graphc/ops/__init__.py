@@ -1,0 +1,1 @@
+"""One module per op kind: shapes, weights, torch reference, kernel binding, PDL traits."""

@@ -1,0 +1,79 @@
+"""GQA decode attention over a per-layer KV cache.
+
+Each row ``t`` of the batch is one sequence living in cache slot ``cache_slots[t]`` with
+``seq_lens[t]`` tokens already cached. The op appends the row's new K/V at position
+``seq_lens[t]`` and attends over positions ``0 ..= seq_lens[t]``. The KV cache is a state
+buffer ``[slots, max_context, 2, kv_heads, head_dim]``; the append is a new version of it.
+(No rotary embedding: the specs describe none.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import LIBRARY_KERNEL, Implementation, Op
+
+
+def _launch_reference(op, t, w, stream, use_pdl):
+    op.reference(t, w)
+
+
+def _launch_triton(op, t, w, stream, use_pdl):
+    from graphc.kernels.decode_attention import decode_attention
+
+    decode_attention(t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"],
+                     heads=op.heads, kv_heads=op.kv_heads, head_dim=op.head_dim)
+
+
+def _triton_available() -> bool:
+    return (importlib.util.find_spec("triton") is not None
+            and importlib.util.find_spec("graphc.kernels.decode_attention") is not None)
+
+
+@dataclass(eq=False)
+class DecodeAttentionOp(Op):
+    kind = "decode_attention"
+    implementations = {
+        # Split-KV Triton kernel: reads only the cached tokens (the torch path reads max_context).
+        "triton": Implementation("triton", LIBRARY_KERNEL, _launch_triton, available=_triton_available),
+        "torch": Implementation("torch", LIBRARY_KERNEL, _launch_reference),
+    }
+
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    max_context: int = 0
+
+    def params(self):
+        return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "max_context": self.max_context}
+
+    def reference(self, t, w):
+        H, KV, hd = self.heads, self.kv_heads, self.head_dim
+        qkv, kv = t["qkv"], t["kv"]
+        T, C = qkv.shape[0], kv.shape[1]
+        slots, pos = t["cache_slots"].long(), t["seq_lens"].long()
+        q = qkv[:, : H * hd].reshape(T, KV, H // KV, hd).float()
+        kv[slots, pos, 0] = qkv[:, H * hd:(H + KV) * hd].reshape(T, KV, hd)
+        kv[slots, pos, 1] = qkv[:, (H + KV) * hd:].reshape(T, KV, hd)
+        keys, vals = kv[slots, :, 0].float(), kv[slots, :, 1].float()        # [T, C, KV, hd]
+        scores = torch.einsum("tkgd,tckd->tkgc", q, keys) / math.sqrt(hd)
+        beyond = torch.arange(C, device=qkv.device)[None, :] > pos[:, None]  # [T, C]
+        scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        out = torch.einsum("tkgc,tckd->tkgd", p, vals).reshape(T, H * hd)
+        t["out"].copy_(out.to(torch.bfloat16))
+
+    def bytes_moved(self, sizes):
+        # The cached tokens actually read (sizes["context"] per row), the new K/V, q and out.
+        T, KV, hd = sizes["T"], self.kv_heads, self.head_dim
+        cache = T * sizes.get("context", 1) * 2 * KV * hd * 2
+        io = T * ((self.heads + 2 * KV) * hd + self.heads * hd) * 2
+        return cache + io
+
+    def flops(self, sizes):
+        return 4 * sizes["T"] * sizes.get("context", 1) * self.heads * self.head_dim

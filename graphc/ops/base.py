@@ -1,0 +1,149 @@
+"""What every op kind shares: buffers and SSA values, PDL traits, and the Op interface.
+
+A *buffer* is memory the step owns (an activation, the AttnRes prefix, the saved blocks, a
+KV cache). A *value* is one version of a buffer: in-place updates (prefix, block slots, KV
+appends) make a new version of the same buffer, so the scheduler sees every hazard.
+Shapes are tuples whose entries are ints or the symbols ``"T"`` (rows in the batch) and
+``"slots"`` (KV-cache sequence slots), resolved by the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Mapping
+
+import torch
+
+Dim = int | str
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    dims: tuple[Dim, ...]
+    dtype: str = "bfloat16"
+    kind: str = "activation"      # "input" (host-written), "activation" or "state" (updated in place)
+
+    def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.dims)
+
+    def nbytes(self, sizes: Mapping[str, int]) -> int:
+        return math.prod(self.shape(sizes)) * DTYPES[self.dtype].itemsize
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Value:
+    """One SSA version of a buffer."""
+
+    buffer: Buffer
+    version: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.buffer.name}@{self.version}" if self.buffer.kind == "state" else self.buffer.name
+
+
+@dataclass(frozen=True)
+class PdlTraits:
+    """How a kernel behaves under programmatic dependent launch (DESIGN §4).
+
+    waits:     executes ``griddepcontrol.wait`` (library kernels such as cuBLAS do not);
+    trigger:   "early" (launch_dependents before its wait), "late" (after it) or "exit"
+               (no explicit trigger: dependents launch as its CTAs exit, which counts as late);
+    prologue:  roles (inputs or weights) read before the wait;
+    bypasses_l1: every load of step-written data skips L1 (ld.global.cg / relaxed gpu scope).
+    """
+
+    waits: bool
+    trigger: str
+    prologue: tuple[str, ...] = ()
+    bypasses_l1: bool = False
+
+    @property
+    def triggers_late(self) -> bool:
+        return self.trigger in ("late", "exit")
+
+
+LIBRARY_KERNEL = PdlTraits(waits=False, trigger="exit")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to run an op on the GPU: its PDL traits and how to launch it.
+
+    ``launch(op, tensors, weights, stream, use_pdl)`` enqueues the work on ``stream``;
+    ``prepare(op, tensors, weights)`` compiles/warms up outside capture (optional).
+    """
+
+    name: str
+    traits: PdlTraits
+    launch: Callable
+    prepare: Callable | None = None
+    available: Callable[[], bool] = lambda: True
+
+
+@dataclass(eq=False)
+class Op:
+    """One op instance: a node of the dataflow graph and a kernel of the schedule.
+
+    ``reads`` and ``writes`` map roles to values. A state buffer updated in place appears in
+    both under the same role (the plan binds both to the same memory).
+    """
+
+    kind: ClassVar[str] = "op"
+    implementations: ClassVar[dict[str, Implementation]] = {}
+
+    name: str
+    reads: dict[str, Value] = field(default_factory=dict)
+    writes: dict[str, Value] = field(default_factory=dict)
+
+    # --- per-kind interface -------------------------------------------------------------
+    def weight_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """role -> (weight name, shape). Weights are bf16 and never written by the step."""
+        return {}
+
+    def reference(self, t: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor]) -> None:
+        """Run the op with torch on the tensors bound to its roles (writes in place)."""
+        raise NotImplementedError
+
+    def params(self) -> dict:
+        """Static parameters shown by ``graphc inspect`` and written to graph.json."""
+        return {}
+
+    def bytes_moved(self, sizes: Mapping[str, int]) -> int:
+        """Fewest HBM bytes the op must move: each input read once, each output written once."""
+        seen = {}
+        for v in list(self.reads.values()) + list(self.writes.values()):
+            seen[v.name] = v.buffer.nbytes(sizes)
+        return sum(seen.values()) + self.weight_bytes()
+
+    def flops(self, sizes: Mapping[str, int]) -> int:
+        return 0
+
+    # --- derived ------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        return sum(2 * math.prod(shape) for _, shape in self.weight_shapes().values())
+
+    def traits(self, impl: str) -> PdlTraits:
+        return self.implementations[impl].traits
+
+    def default_implementation(self) -> str:
+        for name, impl in self.implementations.items():
+            if impl.available():
+                return name
+        raise RuntimeError(f"no implementation of {self.kind} is available")
+
+
+def row_tokens(sizes: Mapping[str, int]) -> int:
+    return sizes["T"]

@@ -1,0 +1,212 @@
+"""Kernel order, the edge kind into every kernel, and the PDL safety proof (DESIGN §4).
+
+The step is one stream of kernels k_0 ... k_n in program order. The edge into k_i is
+``full`` (launch after k_{i-1} completes) or ``pdl`` (launch once every CTA of k_{i-1} has
+triggered or exited). ``build_schedule`` chooses ``pdl`` wherever the rule allows it and
+``verify`` re-checks any schedule (including hand-edited, unsafe ones) from scratch, giving
+each refusal in a sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+import networkx as nx
+
+from .errors import GraphcError
+from .graph import ops_in_order
+from .ops.base import Op, PdlTraits
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel of the schedule."""
+
+    index: int
+    op: Op
+    impl: str
+    traits: PdlTraits
+    edge: str          # "full" | "pdl"
+    reason: str
+
+    @property
+    def node(self) -> str:
+        return self.op.name
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """What runs before and after the wait: AttnRes's ``pre`` and ``post``."""
+        if not self.traits.waits:
+            return ()
+        return ("pre", "post") if self.op.kind == "attn_res" else ("prologue", "main")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    node: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.node}: {self.message}"
+
+
+class UnsafeSchedule(GraphcError):
+    def __init__(self, refusals: list[Refusal]):
+        self.refusals = refusals
+        super().__init__("unsafe schedule:\n  " + "\n  ".join(map(str, refusals)))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    graph: nx.DiGraph
+    kernels: tuple[Launch, ...]
+
+    @property
+    def spec(self):
+        return self.graph.graph["spec"]
+
+    def pdl_edges(self) -> list[tuple[str, str]]:
+        return [(self.kernels[k.index - 1].node, k.node) for k in self.kernels if k.edge == "pdl"]
+
+    def kernel(self, node: str) -> Launch:
+        for k in self.kernels:
+            if k.node == node:
+                return k
+        raise KeyError(node)
+
+    def with_kernel(self, node: str, **changes) -> "Schedule":
+        """A copy with one kernel changed (its ``edge``, ``traits``, ...): tests plant unsafe
+        schedules this way, and ``verify`` must refuse them."""
+        kernels = tuple(replace(k, **changes) if k.node == node else k for k in self.kernels)
+        return Schedule(self.graph, kernels)
+
+    def implementations(self) -> dict[str, str]:
+        return {k.op.kind: k.impl for k in self.kernels}
+
+
+# --- the rule ---------------------------------------------------------------------------------
+
+def known_complete(kernels, i: int) -> tuple[int, str]:
+    """Index of the last kernel known complete when k_i launches, and why."""
+    if kernels[i].edge == "full":
+        return i - 1, f"{kernels[i].node} is entered through a full edge"
+    for j in range(i - 1, -1, -1):
+        k = kernels[j]
+        if k.edge == "full":
+            return j - 1, f"{k.node} was entered through a full edge"
+        if k.traits.triggers_late:
+            return j - 1, f"{k.node} triggers its dependents only after its own wait"
+    return -1, "no earlier kernel is known complete"
+
+
+def _producers(kernels) -> dict[str, int]:
+    producer = {}
+    for k in kernels:
+        for v in k.op.writes.values():
+            producer[v.name] = k.index
+    return producer
+
+
+def pdl_problems(kernels, i: int, producer: Mapping[str, int]) -> list[str]:
+    """Why a pdl edge into k_i is unsafe (empty when it is safe)."""
+    k = kernels[i]
+    if i == 0:
+        return ["the first kernel of the step has no predecessor to overlap"]
+    problems = []
+    if not k.traits.waits:
+        problems.append(
+            f"entered through a pdl edge but {k.impl} never executes griddepcontrol.wait, so it "
+            f"could read its inputs (and exit) before {kernels[i - 1].node} has finished")
+    if not k.traits.bypasses_l1:
+        problems.append("overlaps its predecessor but may load step-written data through L1, "
+                        "where a stale line can survive the wait")
+    upto, because = known_complete(kernels, i)
+    weights = k.op.weight_shapes()
+    for role in k.traits.prologue:
+        if role in weights:
+            continue                  # weights are never written during the step
+        value = k.op.reads.get(role)
+        if value is None or value.name not in producer:
+            continue                  # not read by this instance, or a step input
+        p = producer[value.name]
+        if p > upto:
+            known = (f"only kernels up to #{upto} ({kernels[upto].node}) are known complete "
+                     f"because {because}" if upto >= 0 else because)
+            problems.append(
+                f"reads {value.name} before its wait, but its writer {kernels[p].node} (#{p}) "
+                f"may still be running at launch: {known}")
+    return problems
+
+
+def verify(schedule: Schedule) -> list[Refusal]:
+    """Every violation of the PDL rule (DESIGN §4), and order violations of the graph."""
+    kernels = schedule.kernels
+    refusals = []
+    position = {k.node: k.index for k in kernels}
+    for src, dst, data in schedule.graph.edges(data=True):
+        if position[src] >= position[dst]:
+            refusals.append(Refusal(dst, f"runs before {src}, which it must follow "
+                                         f"({data['hazard']} on {', '.join(data['values'])})"))
+    producer = _producers(kernels)
+    for k in kernels:
+        if k.edge == "pdl":
+            refusals += [Refusal(k.node, p) for p in pdl_problems(kernels, k.index, producer)]
+        elif k.edge != "full":
+            refusals.append(Refusal(k.node, f"unknown edge kind {k.edge!r}"))
+    return refusals
+
+
+# --- choosing edges -----------------------------------------------------------------------------
+
+def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None = None,
+                   use_pdl: bool = True) -> Schedule:
+    """Program order; a pdl edge into every kernel whose PDL rule holds, full otherwise.
+
+    ``implementations`` maps an op kind to an implementation name (default: the first
+    available one of each op).
+    """
+    chosen = dict(implementations or {})
+    kernels: list[Launch] = []
+    producer: dict[str, int] = {}
+    for i, op in enumerate(ops_in_order(graph)):
+        impl = chosen.get(op.kind) or op.default_implementation()
+        if impl not in op.implementations:
+            raise GraphcError(f"{op.name}: no implementation {impl!r} of {op.kind} "
+                              f"(have {', '.join(op.implementations)})")
+        traits = op.traits(impl)
+        launch = Launch(i, op, impl, traits, "pdl", "")
+        kernels.append(launch)
+        if not use_pdl:
+            problems = ["PDL is switched off for this build"]
+        elif i == 0:
+            problems = ["the first kernel of the step has nothing to overlap"]
+        elif not traits.waits:
+            problems = [f"{impl} never executes griddepcontrol.wait, so it may start only once "
+                        f"{kernels[i - 1].node} has completed"]
+        else:
+            problems = pdl_problems(kernels, i, producer)
+        if problems:
+            kernels[i] = replace(launch, edge="full", reason="; ".join(problems))
+        else:
+            kernels[i] = replace(launch, reason=_why_safe(kernels, i, producer))
+        for v in op.writes.values():
+            producer[v.name] = i
+    schedule = Schedule(graph, tuple(kernels))
+    refusals = verify(schedule)
+    if refusals:
+        raise UnsafeSchedule(refusals)
+    return schedule
+
+
+def _why_safe(kernels, i: int, producer) -> str:
+    k = kernels[i]
+    upto, because = known_complete(kernels, i)
+    early = [r for r in k.traits.prologue if r in k.op.reads and k.op.reads[r].name in producer]
+    read_before = ", ".join(k.op.reads[r].name for r in early)
+    text = f"waits before reading step-written data; triggers {k.traits.trigger}"
+    if read_before:
+        text += (f"; reads {read_before} before its wait, complete at launch because {because}")
+    elif any(r in k.op.weight_shapes() for r in k.traits.prologue):
+        text += "; reads only weights before its wait"
+    return text

@@ -1,0 +1,98 @@
+"""Model weights by node name: seeded random initialisation or a safetensors file.
+
+Names follow the graph (``L03.attn.qkv.weight``, ``L03.attn_res.mlp.query``, ``embed.weight``);
+``graphc build SPEC --write-weight-names FILE`` lists them with their shapes. Nothing is
+ever fetched from a network.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from .errors import GraphcError
+
+
+class Weights:
+    """Every weight of one model, bf16, on one device. Read-only during a step."""
+
+    _next_generation = 0
+
+    def __init__(self, tensors: dict[str, torch.Tensor], origin: str):
+        self.tensors = tensors
+        self.origin = origin
+        # A new identity for every set of weights: a captured graph records which one it baked in.
+        Weights._next_generation += 1
+        self.generation = Weights._next_generation
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @classmethod
+    def random(cls, shapes: Mapping[str, tuple[int, ...]], seed: int = 0,
+               device: str | torch.device = "cpu") -> "Weights":
+        tensors = {name: _random_weight(name, shape, seed, torch.device(device))
+                   for name, shape in shapes.items()}
+        return cls(tensors, f"random(seed={seed})")
+
+    @classmethod
+    def load(cls, path: str | Path, shapes: Mapping[str, tuple[int, ...]],
+             device: str | torch.device = "cpu") -> "Weights":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise GraphcError(f"{path}: no such weights file")
+        tensors = {}
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            names = set(f.keys())
+            missing = sorted(set(shapes) - names)
+            extra = sorted(names - set(shapes))
+            if missing or extra:
+                raise GraphcError(
+                    f"{path}: weight names do not match the spec: missing {_few(missing)}; "
+                    f"unexpected {_few(extra)} (graphc build SPEC --write-weight-names FILE lists them)")
+            for name, shape in shapes.items():
+                t = f.get_tensor(name)
+                if tuple(t.shape) != tuple(shape) or t.dtype != torch.bfloat16:
+                    raise GraphcError(f"{path}: {name}: expected bfloat16 {list(shape)}, "
+                                      f"found {str(t.dtype).removeprefix('torch.')} {list(t.shape)}")
+                tensors[name] = t.contiguous()
+        return cls(tensors, str(path))
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous().cpu() for k, v in self.tensors.items()}, str(path))
+
+
+def _few(names: list[str]) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _random_weight(name: str, shape: tuple[int, ...], seed: int, device: torch.device):
+    """Sized so activations stay O(1) through every layer: linear weights N(0, 1/K), norm
+    weights near 1, and AttnRes queries giving logits of a few units (softmax far from uniform
+    but not one-hot)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    randn = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("norm", "key_norm"):
+        values = 1.0 + 0.1 * randn
+    elif leaf == "query":
+        values = randn * (1.5 / math.sqrt(shape[0]))
+    elif name == "embed.weight":
+        values = randn
+    else:                      # linear [N, K]
+        values = randn / math.sqrt(shape[-1])
+    return values.to(torch.bfloat16)
