@@ -1,0 +1,122 @@
+"""The PDL schedule: every shipped spec's schedule is safe, and planted unsafe ones are refused."""
+
+import pytest
+
+from graphc.graph import build_graph
+from graphc.ops.base import PdlTraits
+from graphc.schedule import Schedule, UnsafeSchedule, build_schedule, known_complete, verify
+from graphc.spec import load_spec
+
+SPECS = ["tiny", "kimi_k3_dense_8l", "kimi_k3_dense"]
+GEMM = {"linear": "cute", "attn_res": "cute"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_graph(load_spec("layer_specs/tiny.yaml"))
+
+
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("impls", [None, GEMM, {"attn_res": "torch"}])
+def test_shipped_specs_schedule_and_verify(name, impls):
+    schedule = build_schedule(build_graph(load_spec(f"layer_specs/{name}.yaml")), impls)
+    assert verify(schedule) == []
+    assert schedule.kernels[0].edge == "full"
+    for k in schedule.kernels:
+        assert k.reason
+        if k.edge == "pdl":
+            assert k.traits.waits
+
+
+def test_attn_res_enters_through_pdl_after_library_kernels(tiny):
+    s = build_schedule(tiny)
+    assert s.kernel("L01.attn_res.attn").edge == "pdl"
+    assert "complete at launch because L00.mlp.down was entered through a full edge" in \
+        s.kernel("L01.attn_res.attn").reason
+    assert s.kernel("L01.attn.qkv").edge == "full"
+    assert "never executes griddepcontrol.wait" in s.kernel("L01.attn.qkv").reason
+    # Without PDL nothing overlaps.
+    assert build_schedule(tiny, use_pdl=False).pdl_edges() == []
+
+
+def test_decode_gemm_entered_through_pdl(tiny):
+    s = build_schedule(tiny, GEMM)
+    assert s.kernel("L01.attn.qkv").edge == "pdl"
+    assert s.kernel("L01.mlp.gate_up").edge == "pdl"
+    assert ("L01.attn_res.attn", "L01.attn.qkv") in s.pdl_edges()
+
+
+def test_refuses_prologue_read_of_the_previous_kernels_output(tiny):
+    s = build_schedule(tiny)
+    k = s.kernel("L01.attn_res.mlp")        # its delta is o_proj's output, written just before
+    unsafe = s.with_kernel(k.node, traits=PdlTraits(True, "early", ("delta", "blocks"), True))
+    [refusal] = verify(unsafe)
+    assert refusal.node == "L01.attn_res.mlp"
+    assert "reads L01.attn.o_proj.out before its wait" in refusal.message
+    assert "L01.attn.o_proj" in refusal.message and "may still be running" in refusal.message
+
+
+def test_refuses_pdl_edge_into_a_kernel_that_never_waits(tiny):
+    s = build_schedule(tiny)
+    unsafe = s.with_kernel("L02.attn.qkv", edge="pdl")
+    refusals = verify(unsafe)
+    assert {r.node for r in refusals} == {"L02.attn.qkv"}
+    assert any("cublas never executes griddepcontrol.wait" in r.message for r in refusals)
+
+
+def test_refuses_a_chain_of_early_triggers_hiding_an_incomplete_writer(tiny):
+    s = build_schedule(tiny, GEMM)
+    # Let silu_mul wait and trigger early too: gate_up -> silu_mul -> down become one chain
+    # of early triggers behind L00.attn_res.mlp, the writer of prefix@2.
+    early = PdlTraits(True, "early", (), True)
+    s = s.with_kernel("L00.mlp.silu_mul", traits=early, edge="pdl")
+    assert verify(s) == []
+    # Now L01.attn_res.attn also reads the prefix before its wait: its writer may still run.
+    reads_prefix = PdlTraits(True, "early", ("blocks", "prefix"), True)
+    unsafe = s.with_kernel("L01.attn_res.attn", traits=reads_prefix)
+    upto, because = known_complete(unsafe.kernels, unsafe.kernel("L01.attn_res.attn").index)
+    assert unsafe.kernels[upto].node == "L00.attn.qkv"   # attention entered full
+    [refusal] = verify(unsafe)
+    assert "reads prefix@2 before its wait" in refusal.message
+    assert "L00.attn_res.mlp" in refusal.message
+    # A late trigger in the chain proves the writer complete again.
+    late = PdlTraits(True, "late", (), True)
+    assert verify(unsafe.with_kernel("L00.mlp.silu_mul", traits=late, edge="pdl")) == []
+
+
+def test_prefix_in_the_prologue_is_safe_behind_library_kernels(tiny):
+    s = build_schedule(tiny)
+    reads_prefix = PdlTraits(True, "early", ("blocks", "prefix"), True)
+    assert verify(s.with_kernel("L01.attn_res.attn", traits=reads_prefix)) == []
+
+
+def test_refuses_l1_cached_loads_and_the_first_kernel(tiny):
+    s = build_schedule(tiny)
+    cached = PdlTraits(True, "early", ("blocks",), bypasses_l1=False)
+    [refusal] = verify(s.with_kernel("L01.attn_res.attn", traits=cached))
+    assert "stale line" in refusal.message
+    assert any("first kernel" in r.message for r in verify(s.with_kernel("embed", edge="pdl")))
+
+
+def test_refuses_an_order_that_breaks_a_dependency(tiny):
+    s = build_schedule(tiny)
+    ks = list(s.kernels)
+    a, b = s.kernel("L01.attn.qkv").index, s.kernel("L01.attn.attention").index
+    ks[a], ks[b] = ks[b], ks[a]
+    from dataclasses import replace
+    swapped = Schedule(s.graph, tuple(replace(k, index=i) for i, k in enumerate(ks)))
+    messages = [str(r) for r in verify(swapped)]
+    assert any("L01.attn.attention: runs before L01.attn.qkv" in m for m in messages)
+
+
+def test_build_refuses_unknown_implementation(tiny):
+    from graphc.errors import GraphcError
+
+    with pytest.raises(GraphcError, match="no implementation 'fast'"):
+        build_schedule(tiny, {"linear": "fast"})
+
+
+def test_unsafe_schedule_error_lists_every_refusal(tiny):
+    s = build_schedule(tiny).with_kernel("L00.attn.qkv", edge="pdl").with_kernel("L01.attn.qkv", edge="pdl")
+    err = UnsafeSchedule(verify(s))
+    assert "L00.attn.qkv" in str(err) and "L01.attn.qkv" in str(err)
