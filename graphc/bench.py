@@ -1,0 +1,130 @@
+"""``graphc bench``: the captured step against its HBM floor and against the obvious ways to
+run the same model (DESIGN §7). Times are medians of CUDA-event-timed graph replays."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .floor import step_floor_s
+from .reference import run_kernels
+
+
+def time_replays(fn: Callable[[], None], warmup: int = 5, replays: int = 50) -> float:
+    """Median seconds of ``fn`` (one graph replay or one eager step), timed with events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _inputs(step, batch: int, context: int):
+    gen = torch.Generator().manual_seed(batch)
+    tokens = torch.randint(0, step.spec.model.vocab, (batch,), generator=gen).cuda()
+    seq_lens = torch.full((batch,), context - 1, dtype=torch.int32).cuda()   # reads `context` tokens
+    return tokens, seq_lens
+
+
+def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = True,
+               progress=lambda s: None, step=None) -> list[dict]:
+    from .runtime import build
+
+    step = step or build(spec, batch_sizes, weights=weights, device="cuda", use_pdl=use_pdl,
+                         progress=progress)
+    rows = []
+    stats = step.stats()
+    for b in batch_sizes:
+        tokens, seq_lens = _inputs(step, b, context)
+        step(tokens, seq_lens)
+        t = time_replays(lambda: step.graphs[b].replay())
+        floor = step_floor_s(step.schedule, b, context)
+        rows.append({"batch": b, "step_us": t * 1e6, "floor_us": floor * 1e6,
+                     "ratio": t / floor, **stats[b]})
+    return rows
+
+
+def format_step_table(rows: list[dict]) -> str:
+    head = f"{'batch':>6} {'step us':>10} {'floor us':>10} {'ratio':>7} {'kernels':>8} {'PDL':>5} {'capture ms':>11} {'graph MB':>9}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['batch']:6d} {r['step_us']:10.1f} {r['floor_us']:10.1f} {r['ratio']:7.3f} "
+                     f"{r['kernels']:8d} {r['pdl_edges']:5d} {r['capture_s'] * 1e3:11.1f} "
+                     f"{r['graph_memory_bytes'] / 1e6:9.1f}")
+    return "\n".join(lines)
+
+
+def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, compare=True,
+              progress=lambda s: None, say=print) -> dict:
+    from .runtime import build
+    from .spec import load_spec
+
+    spec = load_spec(spec_path)
+    context = min(context, spec.model.max_context)
+    if not torch.cuda.is_available():
+        from .errors import GraphcError
+        raise GraphcError("graphc bench needs a CUDA GPU")
+    step = build(spec, batch_sizes, weights=weights, device="cuda", progress=progress)
+    rows = bench_step(spec, batch_sizes, context, step=step)
+    result = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "spec": str(spec_path), "context": context,
+              "implementations": step.schedule.implementations(), "rows": rows}
+    if compare:
+        for r in rows:
+            b = r["batch"]
+            prof = step.profile(b, repeats=5)
+            total = sum(k["duration_us"] for k in prof["kernels"])
+            attn_res = sum(k["duration_us"] for k in prof["kernels"] if k["kind"] == "attn_res")
+            r["attn_res_share"] = attn_res / total
+            r["profile"] = prof
+            tokens, seq_lens = _inputs(step, b, context)
+            step(tokens, seq_lens)
+            r["torch_eager_us"] = time_replays(lambda: run_kernels(step.plan, b), 2, 10) * 1e6
+            g = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            with torch.cuda.graph(g, stream=side):
+                run_kernels(step.plan, b)
+            r["reference_graph_us"] = time_replays(g.replay, 3, 20) * 1e6
+            del g
+            progress(f"baselines at batch {b} done")
+        del step
+        torch.cuda.empty_cache()
+        plain = build(spec.with_residual("plain"), batch_sizes, device="cuda", progress=progress)
+        for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=plain)):
+            r["plain_step_us"] = p["step_us"]
+            r["attn_res_overhead"] = (r["step_us"] - p["step_us"]) / r["step_us"]
+        del plain
+        torch.cuda.empty_cache()
+    say(format_bench_table(result))
+    out = Path(out or Path("bench/results") /
+               f"step_{Path(str(spec_path)).stem}_{result['gpu'].replace(' ', '_')}_{result['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    say(f"wrote {out}")
+    return result
+
+
+def format_bench_table(result: dict) -> str:
+    lines = [f"{result['spec']} on {result['gpu']} ({result['date']}), context {result['context']}",
+             format_step_table(result["rows"])]
+    if "torch_eager_us" in result["rows"][0]:
+        lines.append(f"{'batch':>6} {'graphc us':>10} {'plain us':>10} {'AttnRes ovh':>12} "
+                     f"{'AttnRes share':>14} {'ref graph us':>13} {'eager us':>10} {'vs ref graph':>13}")
+        for r in result["rows"]:
+            lines.append(f"{r['batch']:6d} {r['step_us']:10.1f} {r['plain_step_us']:10.1f} "
+                         f"{r['attn_res_overhead'] * 100:11.1f}% {r['attn_res_share'] * 100:13.1f}% "
+                         f"{r['reference_graph_us']:13.1f} {r['torch_eager_us']:10.1f} "
+                         f"{r['reference_graph_us'] / r['step_us']:12.2f}x")
+    return "\n".join(lines)

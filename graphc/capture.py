@@ -1,0 +1,135 @@
+"""One CUDA graph per batch size, captured from the schedule, and the edge check (DESIGN §5).
+
+Every kernel is compiled and warmed up before any capture; the graphs are captured largest
+batch first into one shared memory pool; every launch gets the capturing stream. After each
+capture the graph's edges are read back with their types and compared with the schedule:
+the programmatic edges must be exactly the schedule's PDL edges.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from .errors import GraphcError
+from .plan import Plan
+
+
+class EdgeMismatch(GraphcError):
+    pass
+
+
+@dataclass
+class CapturedGraph:
+    batch: int
+    graph: torch.cuda.CUDAGraph
+    capture_s: float
+    memory_bytes: int
+    kernel_nodes: int
+    pdl_edges: int                    # programmatic edges found in the captured graph
+    stats: dict = field(default_factory=dict)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def launch_all(plan: Plan, batch: int, stream: torch.cuda.Stream,
+               after_each: Callable[[int], None] | None = None,
+               edge_override: Mapping[str, str] | None = None) -> None:
+    """Enqueue every kernel of the schedule on ``stream`` (eagerly or under capture)."""
+    for k, b in zip(plan.schedule.kernels, plan.bindings(batch)):
+        edge = (edge_override or {}).get(k.node, k.edge)
+        k.op.implementations[k.impl].launch(k.op, b.tensors, b.weights, stream, edge == "pdl")
+        if after_each is not None:
+            after_each(k.index)
+
+
+def prepare(plan: Plan, batch_sizes, progress: Callable[[str], None] = lambda s: None) -> None:
+    """Compile every kernel and run each batch size once, outside any capture."""
+    kernels = plan.schedule.kernels
+    t0 = time.perf_counter()
+    for k, b in zip(kernels, plan.bindings(max(batch_sizes))):
+        impl = k.op.implementations[k.impl]
+        if impl.prepare is not None:
+            impl.prepare(k.op, b.tensors, b.weights)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i, batch in enumerate(sorted(batch_sizes, reverse=True)):
+            plan.view("cache_slots", batch).fill_(plan.scratch_slot)   # warm-up writes no live slot
+            plan.view("seq_lens", batch).zero_()
+            launch_all(plan, batch, side)
+            progress(f"warm-up batch {batch} ({i + 1}/{len(batch_sizes)}, "
+                     f"{time.perf_counter() - t0:.1f} s)")
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def capture_all(plan: Plan, batch_sizes, progress: Callable[[str], None] = lambda s: None,
+                edge_override: Mapping[str, str] | None = None) -> dict[int, CapturedGraph]:
+    prepare(plan, batch_sizes, progress)
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {}
+    for batch in sorted(batch_sizes, reverse=True):
+        graphs[batch] = capture_one(plan, batch, pool, edge_override)
+        g = graphs[batch]
+        progress(f"captured batch {batch}: {g.kernel_nodes} kernels, {g.pdl_edges} PDL edges, "
+                 f"{g.capture_s * 1e3:.0f} ms")
+    return graphs
+
+
+def capture_one(plan: Plan, batch: int, pool, edge_override=None) -> CapturedGraph:
+    from . import graph_edges
+
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    t0 = time.perf_counter()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    stream = torch.cuda.Stream()
+    leaves: list[list[int]] = []
+    with torch.cuda.graph(g, pool=pool, stream=stream):
+        current = torch.cuda.current_stream()
+        launch_all(plan, batch, current,
+                   after_each=lambda i: leaves.append(graph_edges.capture_leaves(current)),
+                   edge_override=edge_override)
+    edges = graph_edges.read_edges(g.raw_cuda_graph())
+    g.instantiate()
+    torch.cuda.synchronize()
+    capture_s = time.perf_counter() - t0
+    found = check_programmatic_edges(plan, edges, leaves)
+    return CapturedGraph(batch, g, capture_s, torch.cuda.memory_reserved() - reserved,
+                         edges.kernel_nodes, found)
+
+
+def check_programmatic_edges(plan: Plan, edges, leaves: list[list[int]]) -> int:
+    """Fail unless the captured programmatic edges are exactly the schedule's PDL edges.
+
+    ``leaves[i]`` are the capture's leaf nodes right after kernel i was enqueued: for a kernel
+    that is one graph node, the node itself.
+    """
+    kernels = plan.schedule.kernels
+    node_of = {}
+    for k in kernels:
+        if len(leaves[k.index]) == 1:
+            node_of.setdefault(leaves[k.index][0], k.index)
+    expected = {(kernels[i - 1].node, kernels[i].node) for i in range(1, len(kernels))
+                if kernels[i].edge == "pdl"}
+    found = set()
+    for src, dst in edges.programmatic:
+        if dst not in node_of:
+            raise EdgeMismatch(f"captured graph has a programmatic edge into a node that is not "
+                               f"a whole kernel of the schedule ({dst:#x})")
+        i = node_of[dst]
+        src_name = kernels[node_of[src]].node if src in node_of else f"node {src:#x}"
+        found.add((src_name, kernels[i].node))
+    if found != expected:
+        missing = sorted(expected - found)
+        extra = sorted(found - expected)
+        raise EdgeMismatch(
+            "captured graph does not match the schedule: "
+            f"PDL edges not captured as programmatic: {missing[:5]}{'...' if len(missing) > 5 else ''}; "
+            f"programmatic edges the schedule did not choose: {extra[:5]}{'...' if len(extra) > 5 else ''}")
+    return len(found)

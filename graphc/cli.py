@@ -1,0 +1,276 @@
+"""The ``graphc`` command line: build, inspect, viz, run, bench.
+
+Every user mistake (a bad spec, an unsupported shape, a batch no graph holds) prints one line
+naming the problem and exits with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import GraphcError
+from .spec import SpecError
+
+SMALL_MODEL_BYTES = 512 << 20     # reference step runs by default below this weight size
+
+
+def _say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def _progress(msg: str) -> None:
+    print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {text!r}")
+    if not sizes or sizes[0] < 1 or sizes[-1] > 512:
+        raise argparse.ArgumentTypeError(f"batch sizes must be between 1 and 512, found {text!r}")
+    return sizes
+
+
+def _front(spec_path: str, implementations=None, use_pdl=True):
+    """spec -> graph -> schedule, with timings."""
+    from .graph import build_graph
+    from .schedule import build_schedule
+    from .spec import load_spec
+
+    t0 = time.perf_counter()
+    spec = load_spec(spec_path)
+    graph = build_graph(spec)
+    t1 = time.perf_counter()
+    schedule = build_schedule(graph, implementations, use_pdl)
+    _progress(f"graph {graph.number_of_nodes()} nodes in {t1 - t0:.2f} s; schedule verified in "
+              f"{time.perf_counter() - t1:.2f} s")
+    return spec, graph, schedule
+
+
+def _context(spec, requested):
+    return min(requested or 1024, spec.model.max_context)
+
+
+def cmd_build(args) -> int:
+    from .floor import step_floor_s
+    from .graph import weight_bytes, weight_shapes
+    from .viz import write_dataflow_svg, write_schedule_html
+
+    spec, graph, schedule = _front(args.spec, use_pdl=not args.no_pdl)
+    out = Path(args.out or Path("out") / Path(args.spec).stem)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "graph.json").write_text(json.dumps(graph_json(graph), indent=1))
+    (out / "schedule.txt").write_text(schedule_text(schedule))
+    write_dataflow_svg(graph, out / "graph.svg")
+    write_schedule_html(schedule, out / "schedule.html")
+    if args.write_weight_names:
+        shapes = weight_shapes(graph)
+        Path(args.write_weight_names).write_text(
+            "".join(f"{name}\t{list(shape)}\n" for name, shape in shapes.items()))
+        _progress(f"wrote {len(shapes)} weight names to {args.write_weight_names}")
+
+    ctx = _context(spec, args.context)
+    wbytes = weight_bytes(graph)
+    _say(f"{spec.model.name}: {len(spec.layers)} layers, residual {spec.residual.kind}"
+         + (f" (block size {spec.residual.block_size}, {spec.num_blocks()} blocks)"
+            if spec.residual.kind == "attn_res" else ""))
+    _say(f"  kernels {len(schedule.kernels)}, PDL edges {len(schedule.pdl_edges())}, "
+         f"weights {wbytes / 1e9:.2f} GB")
+    _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")
+    for b in args.batch_sizes:
+        _say(f"    batch {b:4d}: {step_floor_s(schedule, b, ctx) * 1e6:10.1f} us")
+    _say(f"  wrote {out}/graph.json, schedule.txt, graph.svg, schedule.html")
+
+    if args.reference or (args.reference is None and wbytes <= SMALL_MODEL_BYTES):
+        _reference_step(spec, schedule, args.batch_sizes[0], args.weights)
+
+    import torch
+
+    if torch.cuda.is_available() and not args.no_capture:
+        from .bench import bench_step, format_step_table
+
+        rows = bench_step(args.spec, args.batch_sizes, ctx, weights=args.weights,
+                          use_pdl=not args.no_pdl, progress=_progress)
+        _say(format_step_table(rows))
+    return 0
+
+
+def _reference_step(spec, schedule, batch, weights_path):
+    import torch
+
+    from .graph import weight_shapes
+    from .plan import Plan
+    from .reference import reference_step
+    from .weights import Weights
+
+    shapes = weight_shapes(schedule.graph)
+    weights = Weights.load(weights_path, shapes) if weights_path else Weights.random(shapes)
+    plan = Plan(schedule, batch, weights)
+    tokens = torch.arange(batch) % spec.model.vocab
+    t0 = time.perf_counter()
+    logits = reference_step(plan, tokens, torch.zeros(batch, dtype=torch.int32))
+    _say(f"  reference step on CPU (batch {batch}): {time.perf_counter() - t0:.2f} s, "
+         f"next tokens {logits.float().argmax(-1).tolist()}")
+
+
+def graph_json(graph) -> dict:
+    def dims(buf):
+        return list(buf.dims)
+
+    nodes = []
+    for name in sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"]):
+        op = graph.nodes[name]["op"]
+        nodes.append({
+            "name": name, "kind": op.kind, "order": graph.nodes[name]["order"],
+            "params": op.params(),
+            "reads": {r: v.name for r, v in op.reads.items()},
+            "writes": {r: v.name for r, v in op.writes.items()},
+            "weights": {r: {"name": n, "shape": list(s)} for r, (n, s) in op.weight_shapes().items()},
+        })
+    edges = [{"from": a, "to": b, "values": d["values"], "hazard": d["hazard"]}
+             for a, b, d in graph.edges(data=True)]
+    buffers = {n: {"dims": dims(b), "dtype": b.dtype, "kind": b.kind}
+               for n, b in graph.graph["buffers"].items()}
+    return {"spec": graph.graph["spec"].path, "nodes": nodes, "edges": edges, "buffers": buffers}
+
+
+def schedule_text(schedule) -> str:
+    lines = [f"# {len(schedule.kernels)} kernels, {len(schedule.pdl_edges())} PDL edges; "
+             f"edge kind into each kernel and why"]
+    for k in schedule.kernels:
+        lines.append(f"{k.index:4d} {k.edge:4s} {k.node:24s} {k.op.kind}/{k.impl}: {k.reason}")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_inspect(args) -> int:
+    from .graph import describe_node, weight_bytes
+
+    spec, graph, schedule = _front(args.spec)
+    if args.node:
+        if args.node not in graph:
+            import difflib
+
+            near = difflib.get_close_matches(args.node, list(graph.nodes), n=3)
+            raise GraphcError(f"no node {args.node!r} in {args.spec}"
+                              + (f" (did you mean {', '.join(near)}?)" if near else ""))
+        _say(describe_node(graph, args.node))
+        k = schedule.kernel(args.node)
+        _say(f"  kernel #{k.index}: {k.impl}, {k.edge} edge: {k.reason}")
+        return 0
+    _say(f"{spec.path}: {len(spec.layers)} layers, {graph.number_of_nodes()} ops, "
+         f"{graph.number_of_edges()} edges, weights {weight_bytes(graph) / 1e9:.2f} GB")
+    for k in schedule.kernels:
+        op = k.op
+        outs = ", ".join(f"{v.name}{list(v.buffer.dims)}" for v in op.writes.values())
+        _say(f"  {k.index:4d} {k.edge:4s} {k.node:24s} {op.kind:16s} -> {outs}")
+    return 0
+
+
+def cmd_viz(args) -> int:
+    from .viz import write_viz
+
+    _, _, schedule = _front(args.spec)
+    profile = json.loads(Path(args.profile).read_text()) if args.profile else None
+    write_viz(schedule, args.out, profile=profile) if profile else write_viz(schedule, args.out)
+    _say(f"wrote {args.out}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from .runtime import build
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    step = build(args.spec, [args.batch], weights=args.weights, device=device, seed=args.seed,
+                 progress=_progress)
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, step.spec.model.vocab, (args.batch,), generator=gen).to(device)
+    for i in range(args.steps):
+        seq_lens = torch.full((args.batch,), i, dtype=torch.int32, device=device)
+        t0 = time.perf_counter()
+        logits = step(tokens, seq_lens)
+        tokens = logits.float().argmax(-1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        _say(f"step {i}: {(time.perf_counter() - t0) * 1e3:8.2f} ms  next tokens {tokens.tolist()[:8]}"
+             + (" ..." if args.batch > 8 else ""))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    run_bench(args.spec, args.batch_sizes, context=args.context, out=args.out,
+              weights=args.weights, compare=not args.quick, progress=_progress, say=_say)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="graphc", description="CUDA-graph decode-step compiler for "
+                                "Attention-Residual transformers on Hopper GPUs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="validate, schedule, verify and write the graph, schedule "
+                       "and pictures; on a GPU machine also capture and time")
+    b.add_argument("spec")
+    b.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8])
+    b.add_argument("--out", help="output folder (default out/<spec name>)")
+    b.add_argument("--context", type=int, help="tokens per sequence for the HBM floor (default 1024)")
+    b.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                   help="run one reference step on the CPU (default: when weights < 512 MB)")
+    b.add_argument("--weights", help="safetensors file (default: seeded random weights)")
+    b.add_argument("--write-weight-names", metavar="FILE", help="list expected weight names and shapes")
+    b.add_argument("--no-pdl", action="store_true", help="full edges everywhere")
+    b.add_argument("--no-capture", action="store_true", help="skip GPU capture even on a GPU machine")
+    b.set_defaults(func=cmd_build)
+
+    i = sub.add_parser("inspect", help="print the graph, or one node")
+    i.add_argument("spec")
+    i.add_argument("node", nargs="?")
+    i.set_defaults(func=cmd_inspect)
+
+    v = sub.add_parser("viz", help="write the dataflow graph (.svg/.dot) or schedule timeline (.html)")
+    v.add_argument("spec")
+    v.add_argument("--out", required=True)
+    v.add_argument("--profile", help="profile JSON (from DecodeStep.profile) for measured durations")
+    v.set_defaults(func=cmd_viz)
+
+    r = sub.add_parser("run", help="build and run a few decode steps on random tokens")
+    r.add_argument("spec")
+    r.add_argument("--batch", type=int, default=1)
+    r.add_argument("--steps", type=int, default=4)
+    r.add_argument("--device", choices=["cpu", "cuda"])
+    r.add_argument("--weights")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=cmd_run)
+
+    n = sub.add_parser("bench", help="time the captured step on the GPU against its floor and baselines")
+    n.add_argument("spec")
+    n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 64])
+    n.add_argument("--context", type=int, default=1024)
+    n.add_argument("--weights")
+    n.add_argument("--out", help="JSON results file (default bench/results/step_<spec>_<gpu>_<date>.json)")
+    n.add_argument("--quick", action="store_true", help="only the graphc step, no baselines")
+    n.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, GraphcError) as e:
+        print(f"graphc: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""``DecodeStep``: the replayable decode step users call (DESIGN §5).
+
+``graphc.build(spec, batch_sizes)`` validates, schedules, plans, compiles and captures one CUDA
+graph per batch size. ``step(tokens, seq_lens)`` picks the smallest captured size that holds
+the batch, pads, replays and returns the logits as a view of a static buffer. On a CPU device
+the same API runs the reference executor instead of graphs (for tests and small specs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .errors import GraphcError
+from .graph import build_graph, weight_shapes
+from .plan import Plan
+from .reference import run_kernels
+from .schedule import Schedule, build_schedule
+from .spec import Spec, load_spec
+from .weights import Weights
+
+
+def _log(msg: str) -> None:
+    print(f"[graphc] {msg}", file=sys.stderr, flush=True)
+
+
+class DecodeStep:
+    """One model's decode step at several batch sizes.
+
+    The logits returned by a call are a view of a static buffer: the next call overwrites them.
+    Clone them if you keep them.
+    """
+
+    def __init__(self, schedule: Schedule, plan: Plan, batch_sizes: Sequence[int], graphs=None):
+        self.spec = schedule.spec
+        self.schedule = schedule
+        self.plan = plan
+        self.batch_sizes = sorted(batch_sizes)
+        self.graphs = graphs or {}
+        self.device = plan.device
+        self.fingerprint = self.spec.fingerprint()
+        self.weights_generation = plan.weights.generation
+
+    # --- the call ---------------------------------------------------------------------------
+    def padded_size(self, batch: int) -> int:
+        """The smallest captured batch size that holds ``batch`` rows."""
+        for size in self.batch_sizes:
+            if size >= batch:
+                return size
+        raise GraphcError(f"batch of {batch} is larger than every captured batch size "
+                          f"({', '.join(map(str, self.batch_sizes))}); build with a larger "
+                          f"--batch-sizes entry")
+
+    def __call__(self, tokens: torch.Tensor, seq_lens: torch.Tensor,
+                 cache_slots: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+        """Run one decode step. tokens: [b] integer token ids; seq_lens: [b] tokens already
+        cached for each sequence; cache_slots: [b] the KV-cache slot of each sequence
+        (default 0..b-1). Returns logits [b, vocab] (bf16), a view of a static buffer."""
+        b = self._check_inputs(tokens, seq_lens, cache_slots, validate)
+        size = self.padded_size(b)
+        plan = self.plan
+        if cache_slots is None:
+            cache_slots = torch.arange(b, dtype=torch.int32, device=self.device)
+        plan.view("tokens", size)[:b].copy_(tokens)
+        plan.view("seq_lens", size)[:b].copy_(seq_lens)
+        plan.view("cache_slots", size)[:b].copy_(cache_slots)
+        if size > b:       # padding rows: token 0 at position 0 of the scratch slot
+            plan.view("tokens", size)[b:].zero_()
+            plan.view("seq_lens", size)[b:].zero_()
+            plan.view("cache_slots", size)[b:].fill_(plan.scratch_slot)
+        if size in self.graphs:
+            self._check_not_stale()
+            self.graphs[size].replay()
+        else:
+            run_kernels(plan, size)
+        return plan.output(size)[:b]
+
+    step = __call__
+
+    def _check_inputs(self, tokens, seq_lens, cache_slots, validate) -> int:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+            raise GraphcError("tokens must be a 1-D tensor of token ids")
+        b = tokens.shape[0]
+        named = [("tokens", tokens), ("seq_lens", seq_lens)]
+        if cache_slots is not None:
+            named.append(("cache_slots", cache_slots))
+        for name, t in named:
+            if not isinstance(t, torch.Tensor) or t.shape != (b,):
+                raise GraphcError(f"{name} must be a tensor of shape [{b}] (one per token), "
+                                  f"found {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if t.dtype not in (torch.int32, torch.int64):
+                raise GraphcError(f"{name} must be int32 or int64, found {t.dtype}")
+            if t.device != self.device:
+                raise GraphcError(f"{name} is on {t.device}, the step runs on {self.device}")
+        if b == 0:
+            raise GraphcError("empty batch")
+        self.padded_size(b)
+        if validate:
+            # One small device-to-host read: refuse before anything is written to the cache.
+            lo_hi = torch.stack([tokens.min(), tokens.max(), seq_lens.min(), seq_lens.max()]).cpu()
+            vocab, ctx = self.spec.model.vocab, self.spec.model.max_context
+            if lo_hi[0] < 0 or lo_hi[1] >= vocab:
+                raise GraphcError(f"token ids must be in [0, {vocab}), found {int(lo_hi[0])}..{int(lo_hi[1])}")
+            if lo_hi[2] < 0 or lo_hi[3] >= ctx:
+                raise GraphcError(f"a sequence is past the maximum context: seq_lens must be in "
+                                  f"[0, {ctx - 1}] (max_context {ctx}), found {int(lo_hi[2])}..{int(lo_hi[3])}")
+            if cache_slots is not None:
+                slots = cache_slots.cpu()
+                if slots.min() < 0 or slots.max() >= self.plan.max_batch:
+                    raise GraphcError(f"cache_slots must be in [0, {self.plan.max_batch}), "
+                                      f"found {int(slots.min())}..{int(slots.max())}")
+                if slots.unique().numel() != b:
+                    raise GraphcError("cache_slots must be distinct: two rows would write one sequence")
+        return b
+
+    def _check_not_stale(self) -> None:
+        if self.plan.weights.generation != self.weights_generation:
+            raise GraphcError("the weights were replaced after capture; rebuild the step")
+
+    # --- state ------------------------------------------------------------------------------
+    def reset(self, cache_slots: Sequence[int] | None = None) -> None:
+        """Start new sequences: clear the KV cache of the given slots (default: all)."""
+        for name, buf in self.plan.buffers.items():
+            if buf.kind == "state" and buf.dims and buf.dims[0] == "slots":
+                cache = self.plan.storage[name]
+                if cache_slots is None:
+                    cache.zero_()
+                else:
+                    cache[torch.as_tensor(list(cache_slots), device=cache.device)] = 0
+
+    def load_weights(self, path: str | os.PathLike) -> None:
+        """Reload weights in place: the captured graphs read the new values (same memory)."""
+        new = Weights.load(path, weight_shapes(self.schedule.graph), self.device)
+        with torch.no_grad():
+            for name, t in new.tensors.items():
+                self.plan.weights.tensors[name].copy_(t)
+
+    # --- reports ----------------------------------------------------------------------------
+    def stats(self) -> dict[int, dict]:
+        """Per captured batch size: capture time, graph memory, kernel count, PDL edges."""
+        return {size: {"capture_s": g.capture_s, "graph_memory_bytes": g.memory_bytes,
+                       "kernels": g.kernel_nodes, "pdl_edges": g.pdl_edges,
+                       "schedule_pdl_edges": len(self.schedule.pdl_edges())}
+                for size, g in sorted(self.graphs.items())}
+
+    def profile(self, batch: int, path: str | os.PathLike | None = None, repeats: int = 20) -> dict:
+        """Per-kernel durations at one batch size, in the JSON the HTML timeline displays.
+
+        Kernels are timed one by one with CUDA events outside the graph (each launch after the
+        previous has finished), so these are isolated durations: in the graph PDL overlaps
+        neighbours, and the sum here is an upper bound of the replay time.
+        """
+        if self.device.type != "cuda":
+            raise GraphcError("profile needs a CUDA device")
+        size = self.padded_size(batch)
+        kernels, bindings = self.schedule.kernels, self.plan.bindings(size)
+        times = [[] for _ in kernels]
+        stream = torch.cuda.current_stream()
+        for _ in range(repeats):
+            for k, b in zip(kernels, bindings):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                k.op.implementations[k.impl].launch(k.op, b.tensors, b.weights, stream, False)
+                end.record()
+                end.synchronize()
+                times[k.index].append(start.elapsed_time(end) * 1e3)
+        rows = [{"node": k.node, "kind": k.op.kind, "duration_us": sorted(t)[len(t) // 2]}
+                for k, t in zip(kernels, times)]
+        result = {"gpu": torch.cuda.get_device_name(), "batch": size, "method": "isolated events",
+                  "kernels": rows}
+        if path is not None:
+            Path(path).write_text(json.dumps(result, indent=1))
+        return result
+
+
+def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4, 8),
+          weights: Weights | str | os.PathLike | None = None, device: str = "cuda",
+          implementations: dict | None = None, use_pdl: bool = True, seed: int = 0,
+          progress: Callable[[str], None] | None = _log) -> DecodeStep:
+    """Validate, schedule, plan, compile and capture: one CUDA graph per batch size.
+
+    weights: None (seeded random), a safetensors path, or a ``Weights`` on ``device``.
+    """
+    progress = progress or (lambda s: None)
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    sizes = sorted({int(b) for b in batch_sizes})
+    if not sizes or sizes[0] < 1 or sizes[-1] > 512:
+        raise GraphcError(f"batch sizes must be between 1 and 512, found {batch_sizes}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GraphcError("device 'cuda' requested but no CUDA GPU is available (use device='cpu')")
+    graph = build_graph(spec)
+    schedule = build_schedule(graph, implementations if dev.type == "cuda" else None, use_pdl)
+    shapes = weight_shapes(graph)
+    t0 = time.perf_counter()
+    if weights is None:
+        weights = Weights.random(shapes, seed=seed, device=dev)
+    elif not isinstance(weights, Weights):
+        weights = Weights.load(weights, shapes, dev)
+    progress(f"weights: {weights.nbytes() / 1e9:.2f} GB ({weights.origin}) in {time.perf_counter() - t0:.1f} s")
+    plan = Plan(schedule, sizes[-1], weights, dev)
+    graphs = None
+    if dev.type == "cuda":
+        from .capture import capture_all
+
+        graphs = capture_all(plan, sizes, progress)
+    return DecodeStep(schedule, plan, sizes, graphs)

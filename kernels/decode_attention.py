@@ -1,0 +1,115 @@
+"""Split-KV GQA decode attention in Triton: reads only each sequence's cached tokens.
+
+A library-style kernel (no PDL wait), entered through full edges. It is Triton rather than
+CuTe DSL because attention is not where graphc's gains are; what matters here is that the
+cost follows the real context length instead of the cache's ``max_context``.
+
+Pass 1, grid (rows, kv heads, splits): each program takes one KV head's query group over
+``CHUNK`` cached positions with an online softmax and writes (max, sum, acc) partials; split 0
+also folds in the new token (straight from qkv) and appends its K/V at position seq_len, a
+position no other program reads. Pass 2, grid (rows, heads): combines the splits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 128
+BLOCK_N = 64
+_workspaces: dict = {}
+
+
+@triton.jit
+def _partial(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, stride_t, stride_slot, stride_pos,
+             stride_kind, stride_head, scale,
+             H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+             HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    L = tl.load(seq_lens + t)
+    slot = tl.load(slots + t).to(tl.int64)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, HD)
+    gmask = g < G
+    row = qkv + t.to(tl.int64) * stride_t
+    q = tl.load(row + (kvh * G + g)[:, None] * HD + d[None, :], mask=gmask[:, None], other=0.0)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, HD], tl.float32)
+    base = kv + slot * stride_slot + kvh * stride_head
+    start = s * CHUNK
+    end = tl.minimum(start + CHUNK, L)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pm = pos < end
+        k = tl.load(base + pos[:, None] * stride_pos + d[None, :], mask=pm[:, None], other=0.0)
+        v = tl.load(base + stride_kind + pos[:, None] * stride_pos + d[None, :], mask=pm[:, None], other=0.0)
+        sc = tl.dot(q, tl.trans(k)) * scale
+        sc = tl.where(pm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m = m_new
+    if s == 0:
+        kn = tl.load(row + (H + kvh) * HD + d)
+        vn = tl.load(row + (H + KV + kvh) * HD + d)
+        sn = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * scale
+        m_new = tl.maximum(m, sn)
+        alpha = tl.exp(m - m_new)
+        pn = tl.exp(sn - m_new)
+        l = l * alpha + pn
+        acc = acc * alpha[:, None] + pn[:, None] * vn.to(tl.float32)[None, :]
+        m = m_new
+        tl.store(base + L.to(tl.int64) * stride_pos + d, kn)
+        tl.store(base + stride_kind + L.to(tl.int64) * stride_pos + d, vn)
+    heads = t * H + kvh * G + g
+    tl.store(m_ws + heads * NSPLIT + s, m, mask=gmask)
+    tl.store(l_ws + heads * NSPLIT + s, l, mask=gmask)
+    tl.store(acc_ws + (heads * NSPLIT + s)[:, None] * HD + d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _combine(m_ws, l_ws, acc_ws, out, stride_out, H: tl.constexpr, HD: tl.constexpr,
+             NSPLIT: tl.constexpr, NP: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, NP)
+    d = tl.arange(0, HD)
+    smask = sp < NSPLIT
+    head = t * H + h
+    m = tl.load(m_ws + head * NSPLIT + sp, mask=smask, other=float("-inf"))
+    l = tl.load(l_ws + head * NSPLIT + sp, mask=smask, other=0.0)
+    acc = tl.load(acc_ws + (head * NSPLIT + sp)[:, None] * HD + d[None, :], mask=smask[:, None], other=0.0)
+    top = tl.max(m, 0)
+    w = tl.where(smask, tl.exp(m - top), 0.0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+    tl.store(out + t.to(tl.int64) * stride_out + h * HD + d, o.to(tl.bfloat16))
+
+
+def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
+                     head_dim: int) -> None:
+    """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
+    positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention."""
+    T, C = qkv.shape[0], kv.shape[1]
+    G = heads // kv_heads
+    nsplit = math.ceil(C / CHUNK)
+    key = (qkv.device, T, heads, nsplit, head_dim)
+    if key not in _workspaces:
+        _workspaces[key] = (torch.empty(T * heads * nsplit, device=qkv.device),
+                            torch.empty(T * heads * nsplit, device=qkv.device),
+                            torch.empty(T * heads * nsplit * head_dim, device=qkv.device))
+    m_ws, l_ws, acc_ws = _workspaces[key]
+    _partial[(T, kv_heads, nsplit)](
+        qkv, kv, seq_lens, cache_slots, m_ws, l_ws, acc_ws, qkv.stride(0), kv.stride(0),
+        kv.stride(1), kv.stride(2), kv.stride(3), 1.0 / math.sqrt(head_dim),
+        H=heads, KV=kv_heads, G=G, GP=max(16, triton.next_power_of_2(G)), HD=head_dim,
+        CHUNK=CHUNK, BLOCK_N=BLOCK_N, NSPLIT=nsplit, num_warps=4)
+    _combine[(T, heads)](m_ws, l_ws, acc_ws, out, out.stride(0), H=heads, HD=head_dim,
+                         NSPLIT=nsplit, NP=triton.next_power_of_2(nsplit), num_warps=4)
