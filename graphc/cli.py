@@ -148,7 +148,7 @@ def schedule_text(schedule) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from .graph import describe_node, weight_bytes
+    from .graph import describe_node, format_dims, weight_bytes
 
     spec, graph, schedule = _front(args.spec)
     if args.node:
@@ -166,7 +166,7 @@ def cmd_inspect(args) -> int:
          f"{graph.number_of_edges()} edges, weights {weight_bytes(graph) / 1e9:.2f} GB")
     for k in schedule.kernels:
         op = k.op
-        outs = ", ".join(f"{v.name}{list(v.buffer.dims)}" for v in op.writes.values())
+        outs = ", ".join(f"{v.name}{format_dims(v.buffer.dims)}" for v in op.writes.values())
         _say(f"  {k.index:4d} {k.edge:4s} {k.node:24s} {op.kind:16s} -> {outs}")
     return 0
 

@@ -189,9 +189,9 @@ def describe_node(g: nx.DiGraph, name: str) -> str:
     for key, val in op.params().items():
         lines.append(f"  {key:10} {val}")
     for role, v in op.reads.items():
-        lines.append(f"  reads  {role:11} {v.name:32} {_shape(v.buffer.dims)}")
+        lines.append(f"  reads  {role:11} {v.name:32} {format_dims(v.buffer.dims)}")
     for role, v in op.writes.items():
-        lines.append(f"  writes {role:11} {v.name:32} {_shape(v.buffer.dims)}")
+        lines.append(f"  writes {role:11} {v.name:32} {format_dims(v.buffer.dims)}")
     for role, (wname, shape) in op.weight_shapes().items():
         lines.append(f"  weight {role:11} {wname:32} {list(shape)}")
     preds = [f"{p} ({','.join(g.edges[p, name]['values'])}, {g.edges[p, name]['hazard']})"
@@ -202,5 +202,5 @@ def describe_node(g: nx.DiGraph, name: str) -> str:
     return "\n".join(lines)
 
 
-def _shape(dims) -> str:
+def format_dims(dims) -> str:
     return "[" + ", ".join(str(d) for d in dims) + "]"

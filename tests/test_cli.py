@@ -1,0 +1,102 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from graphc.cli import main
+
+TINY = "layer_specs/tiny.yaml"
+
+
+def run_cli(*argv):
+    """The CLI in a fresh process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "graphc.cli", *argv], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_build_writes_every_artifact_and_summary(tmp_path, capsys):
+    assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1,3,8",
+                 "--write-weight-names", str(tmp_path / "names.txt")]) == 0
+    out = capsys.readouterr().out
+    assert "4 layers, residual attn_res (block size 2, 2 blocks)" in out
+    assert "kernels 35, PDL edges 9" in out
+    for b in (1, 3, 8):
+        assert f"batch    {b}:" in out
+    assert "reference step on CPU (batch 1)" in out        # small spec: runs by default
+    graph = json.loads((tmp_path / "graph.json").read_text())
+    assert len(graph["nodes"]) == 35
+    assert {"from": "L01.attn.qkv", "to": "L01.attn.attention", "values": ["L01.attn.qkv.out"],
+            "hazard": "raw"} in graph["edges"]
+    lines = (tmp_path / "schedule.txt").read_text().splitlines()
+    assert len(lines) == 36
+    assert any(l.split()[1:3] == ["pdl", "L01.attn_res.attn"] for l in lines[1:])
+    assert (tmp_path / "graph.svg").read_text().lstrip().startswith(("<?xml", "<svg", "<!DOCTYPE"))
+    assert "L03.mlp.down" in (tmp_path / "schedule.html").read_text()
+    names = (tmp_path / "names.txt").read_text().splitlines()
+    assert "L00.attn.qkv.weight\t[1536, 1024]" in names
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["build", "missing.yaml"], "missing.yaml"),
+    (["inspect", TINY, "L09.attn.qkv"], "no node 'L09.attn.qkv'"),
+    (["viz", TINY, "--out", "x.png"], ".png"),
+])
+def test_user_errors_exit_2_with_one_line_and_no_traceback(argv, message, tmp_path):
+    if argv[0] == "viz":
+        argv = argv[:3] + [str(tmp_path / "x.png")]
+    r = run_cli(*argv)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    errors = [l for l in r.stderr.splitlines() if l.startswith("graphc: error:")]
+    assert len(errors) == 1 and message in errors[0]
+
+
+def test_bad_spec_error_names_file_line_and_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((open(TINY).read()).replace("hidden: 1024", "hidden: 1000"))
+    r = run_cli("build", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{bad}:" in r.stderr and "model.hidden" in r.stderr and "1000" in r.stderr
+
+
+def test_bad_batch_sizes_argument():
+    r = run_cli("build", TINY, "--batch-sizes", "1,x")
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+
+
+def test_inspect_lists_kernels_and_one_node(capsys):
+    assert main(["inspect", TINY]) == 0
+    out = capsys.readouterr().out
+    assert "L02.attn_res.attn" in out and "blocks@2[T, 2, 1024]" in out
+    assert main(["inspect", TINY, "L02.attn_res.attn"]) == 0
+    out = capsys.readouterr().out
+    assert "write      1" in out and "pdl edge" in out
+
+
+@pytest.mark.parametrize("suffix", ["svg", "html", "dot"])
+def test_viz_writes_each_format(tmp_path, suffix):
+    path = tmp_path / f"g.{suffix}"
+    assert main(["viz", TINY, "--out", str(path)]) == 0
+    assert path.stat().st_size > 1000
+
+
+def test_run_on_cpu(capsys):
+    assert main(["run", TINY, "--batch", "2", "--steps", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "step 0:" in out and "step 1:" in out
+
+
+def test_full_depth_build_is_fast_and_allocates_no_weights(tmp_path):
+    code = ("import resource, sys, time; from graphc.cli import main; t=time.time(); "
+            f"rc=main(['build', 'layer_specs/kimi_k3_dense.yaml', '--out', {str(tmp_path)!r}]); "
+            "print('ELAPSED', time.time()-t, 'RSS_MB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss//1024); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    fields = r.stdout.split("ELAPSED")[1].split()
+    elapsed, rss_mb = float(fields[0]), int(fields[2])
+    assert elapsed < 60
+    assert rss_mb < 3000          # ~100 GB of weights never materialise
+    assert "93 layers" in r.stdout and "reference step" not in r.stdout

@@ -1,0 +1,125 @@
+"""DecodeStep on the CPU (reference executor behind the same API): batch selection, padding
+into the scratch slot, and every refused input leaving the KV cache untouched."""
+
+import pytest
+import torch
+
+import graphc
+from graphc.errors import GraphcError
+from graphc.bench import format_bench_table
+
+
+@pytest.fixture(scope="module")
+def step():
+    return graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], device="cpu", progress=None)
+
+
+def kv_state(step):
+    return {n: t.clone() for n, t in step.plan.storage.items() if n.endswith(".kv")}
+
+
+def test_smallest_captured_size_that_holds_the_batch(step):
+    assert step.batch_sizes == [1, 4]
+    assert [step.padded_size(b) for b in (1, 2, 3, 4)] == [1, 4, 4, 4]
+
+
+def test_padded_batch_matches_unpadded_and_spares_live_slots(step):
+    step.reset()
+    tokens, lens = torch.tensor([3, 14, 15]), torch.tensor([0, 0, 0], dtype=torch.int32)
+    logits = step(tokens, lens).clone()
+    assert logits.shape == (3, 4096)
+    kv = step.plan.storage["L00.kv"]
+    assert kv[3].abs().sum() == 0            # slot 3 belongs to nobody in this batch
+    assert kv[step.plan.scratch_slot].abs().sum() > 0   # the padding row wrote here
+    # Rows are independent: a real fourth row instead of the padding changes nothing in rows 0-2.
+    step.reset()
+    full = step(torch.tensor([3, 14, 15, 92]), torch.zeros(4, dtype=torch.int32)).clone()
+    assert torch.equal(full[:3], logits)
+    # And one row alone (the size-1 path) agrees to rounding.
+    step.reset()
+    one = step(tokens[1:2], lens[1:2], torch.tensor([1], dtype=torch.int32)).clone()
+    rel = (one[0].float() - logits[1].float()).norm() / logits[1].float().norm()
+    assert rel < 1e-2
+
+
+def test_logits_are_a_view_of_a_static_buffer(step):
+    a = step(torch.tensor([1, 2]), torch.tensor([0, 0], dtype=torch.int32))
+    b = step(torch.tensor([5, 6]), torch.tensor([0, 0], dtype=torch.int32))
+    assert a.data_ptr() == b.data_ptr()
+
+
+BAD = [
+    ("larger than every captured", lambda: (torch.arange(5), torch.zeros(5, dtype=torch.int32)), {}),
+    ("int32 or int64", lambda: (torch.ones(2), torch.zeros(2, dtype=torch.int32)), {}),
+    ("shape \\[2\\]", lambda: (torch.ones(2, dtype=torch.long), torch.zeros(3, dtype=torch.int32)), {}),
+    ("past the maximum context", lambda: (torch.ones(2, dtype=torch.long), torch.tensor([0, 256], dtype=torch.int32)), {}),
+    ("token ids must be in", lambda: (torch.tensor([0, 4096]), torch.zeros(2, dtype=torch.int32)), {}),
+    ("is on meta", lambda: (torch.ones(2, dtype=torch.long, device="meta"), torch.zeros(2, dtype=torch.int32)), {}),
+    ("distinct", lambda: (torch.ones(2, dtype=torch.long), torch.zeros(2, dtype=torch.int32)),
+     {"cache_slots": torch.tensor([1, 1], dtype=torch.int32)}),
+    ("cache_slots must be in", lambda: (torch.ones(2, dtype=torch.long), torch.zeros(2, dtype=torch.int32)),
+     {"cache_slots": torch.tensor([0, 4], dtype=torch.int32)}),
+]
+
+
+@pytest.mark.parametrize("message,inputs,kwargs", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_refused_and_the_cache_is_untouched(step, message, inputs, kwargs):
+    step.reset()
+    step(torch.tensor([7, 8]), torch.tensor([0, 0], dtype=torch.int32))
+    before = kv_state(step)
+    with pytest.raises(GraphcError, match=message):
+        step(*inputs(), **kwargs)
+    after = kv_state(step)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_reset_clears_chosen_slots(step):
+    step(torch.tensor([7, 8]), torch.tensor([0, 0], dtype=torch.int32))
+    step.reset([1])
+    kv = step.plan.storage["L00.kv"]
+    assert kv[0].abs().sum() > 0 and kv[1].abs().sum() == 0
+
+
+def test_weight_reload_is_seen_by_the_next_step(tmp_path, step):
+    from graphc.graph import weight_shapes
+    from graphc.weights import Weights
+
+    tokens, lens = torch.tensor([1, 2]), torch.zeros(2, dtype=torch.int32)
+    before = step(tokens, lens).clone()
+    other = Weights.random(weight_shapes(step.schedule.graph), seed=7)
+    other.save(tmp_path / "w.safetensors")
+    step.load_weights(tmp_path / "w.safetensors")
+    after = step(tokens, lens).clone()
+    assert not torch.equal(before, after)
+    fresh = graphc.build("layer_specs/tiny.yaml", [4], weights=tmp_path / "w.safetensors",
+                         device="cpu", progress=None)
+    assert torch.equal(fresh(tokens, lens), after)
+
+
+def test_weight_file_with_wrong_names_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"nope": torch.zeros(2, dtype=torch.bfloat16)}, str(tmp_path / "w.safetensors"))
+    with pytest.raises(GraphcError, match="missing L00.attn.*unexpected nope"):
+        graphc.build("layer_specs/tiny.yaml", [1], weights=tmp_path / "w.safetensors", device="cpu",
+                     progress=None)
+
+
+def test_cuda_requested_without_a_gpu_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(GraphcError, match="no CUDA GPU"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cuda", progress=None)
+
+
+def test_bench_table_formats_recorded_numbers():
+    row = {"batch": 8, "step_us": 2700.0, "floor_us": 2580.0, "ratio": 2700 / 2580, "kernels": 67,
+           "pdl_edges": 17, "capture_s": 0.4, "graph_memory_bytes": 2e6, "plain_step_us": 2650.0,
+           "attn_res_overhead": 50 / 2700, "attn_res_share": 0.031, "reference_graph_us": 4650.0,
+           "torch_eager_us": 6100.0}
+    text = format_bench_table({"spec": "x.yaml", "gpu": "NVIDIA H200", "date": "2026-11-30",
+                               "context": 1024, "rows": [row]})
+    assert "NVIDIA H200" in text
+    line = [l for l in text.splitlines() if l.split() and l.split()[0] == "8"]
+    assert "2700.0" in line[0] and "1.047" in line[0]
+    assert "1.9%" in line[1] and "3.1%" in line[1] and "1.72x" in line[1]
