@@ -50,10 +50,12 @@ def read_edges(raw_graph) -> GraphEdges:
     return GraphEdges(kernel_nodes, programmatic, len(frm))
 
 
-def capture_leaves(stream) -> list[int]:
-    """The nodes a stream under capture currently depends on (the last enqueued)."""
+def capture_nodes(stream) -> set[int]:
+    """Every node captured so far into the graph that ``stream`` is capturing."""
     cu = _driver()
     out = _check(cu.cuStreamGetCaptureInfo(cu.CUstream(stream.cuda_stream)))
-    # (status, id, graph, dependencies, [edge data,] count)
-    deps = out[3]
-    return [int(d) for d in deps]
+    # (status, id, graph, dependencies, edge data, count)
+    graph = out[2]
+    _, count = _check(cu.cuGraphGetNodes(graph, 0))
+    nodes, _ = _check(cu.cuGraphGetNodes(graph, count))
+    return {int(n) for n in nodes}

@@ -68,9 +68,8 @@ class Plan:
             numel = 1
             for s in shape:
                 numel *= s
-            if buf.kind != "activation":
-                fill = torch.zeros if buf.kind != "input" else torch.zeros
-                storage[name] = fill(shape, dtype=buf.torch_dtype, device=self.device)
+            if buf.kind != "activation":      # inputs and state start zeroed (an empty KV cache)
+                storage[name] = torch.zeros(shape, dtype=buf.torch_dtype, device=self.device)
                 continue
             start, end = born[name], last_use.get(name, born[name])
             slab = next((s for s in slabs if s[0] == numel and s[1] == buf.dtype and s[2] < start), None)
