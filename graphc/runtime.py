@@ -195,6 +195,8 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GraphcError("device 'cuda' requested but no CUDA GPU is available (use device='cpu')")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())   # tensors report cuda:N
     graph = build_graph(spec)
     schedule = build_schedule(graph, implementations if dev.type == "cuda" else None, use_pdl)
     shapes = weight_shapes(graph)

@@ -1,0 +1,243 @@
+"""Benchmark the decode GEMM (kernels/gemm.py) against cuBLAS (torch.matmul), DESIGN §7.
+
+    source .gpu/setup.sh && python3 bench/gemm.py --out $OUT/gemm.json
+
+Each measurement is one CUDA graph holding a chain of ``--chain`` calls that cycle through
+enough copies of the weights (and inputs, outputs) that the chain's weights are several times
+the L2, so no call finds its weights cached. The graph is replayed ``--replays`` times between
+CUDA events; the time per call is the median replay time divided by the chain length.
+
+Columns: ``pdl`` is our kernel as the decode step runs it (each call launched with the PDL
+attribute, so its weight prologue overlaps the previous call's tail); ``nopdl`` the same
+without the attribute; ``cublas`` is ``torch.mm`` in the same kind of graph (for silu_mul the
+GEMM alone; ``cublas+act`` adds the separate silu(gate) * up kernels the unfused path needs).
+The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the nominal
+4.3 TB/s (the measured D2D copy bandwidth is reported beside it). ``variants`` times the legal
+alternatives to the default tuning (``bk``: K per stage 64/128; ``rw``: 128- or 256-row tiles),
+each checked against the reference first; they decide DEFAULT_BLOCK_K and the row_wgs rule.
+
+Runtime: ~3 compiles per (shape, M) (a few seconds each) plus ~1 s of timing; the default
+16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# Same target string as the tests (conftest.py), so both share the on-disk compile cache.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from graphc.kernels import gemm  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12     # measured device-to-device copy bandwidth on H200 (KINDS.md)
+BF16_FLOPS = 790e12          # measured dense bf16 matrix rate on H200 (KINDS.md)
+
+BIG_SHAPES = [
+    ("gate_up", 7168, 36864, "silu_mul"),
+    ("down", 18432, 7168, None),
+    ("qkv", 7168, 10240, None),
+    ("o_proj", 8192, 7168, None),
+]
+TINY_SHAPES = [
+    ("tiny.qkv", 1024, 1536, None),
+    ("tiny.gate_up", 1024, 5632, "silu_mul"),
+    ("tiny.down", 2816, 1024, None),
+    ("tiny.o_proj", 1024, 1024, None),
+]
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes read + written per second by a device-to-device copy (graph, median of 20)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = _time_graph(lambda: b.copy_(a), replays=20)
+    return 2 * a.numel() * 2 / statistics.median(times)
+
+
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()                                      # warm-up: compile, workspaces, cuBLAS handles
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _time_graph(fn, replays: int) -> list[float]:
+    """Seconds per replay of a graph of ``fn``."""
+    graph = _capture(fn)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return times
+
+
+def variants(m: int, k: int, n: int, epilogue) -> list[tuple[str, dict]]:
+    """The tuning alternatives to the default configuration that are legal for this shape:
+    the other K per stage, and the other number of row warpgroups (128- vs 256-row tiles)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = gemm.GemmConfig(m, k, n, epilogue, sms)
+    out = []
+    for label, tuning in ((f"bk{192 - base.block_k}", dict(block_k=192 - base.block_k)),
+                          (f"rw{3 - base.row_wgs}", dict(row_wgs=3 - base.row_wgs))):
+        try:
+            gemm.GemmConfig(m, k, n, epilogue, sms, **tuning)
+        except ValueError:
+            continue
+        out.append((label, tuning))
+    return out
+
+
+def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    w_bytes = n * k * 2
+    copies = max(2, math.ceil(4 * l2 / w_bytes))
+    chain = max(args.chain, copies)
+    n_out = n // 2 if epilogue == "silu_mul" else n
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [(torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+    xs = [torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+    outs = [torch.empty(m, n_out, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    tmps = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+
+    # Correctness first: a fast wrong kernel is not a result.
+    gemm.linear(xs[0], ws[0], outs[0], epilogue=epilogue, use_pdl=False)
+    ref = xs[0].float() @ ws[0].float().T
+    if epilogue == "silu_mul":
+        ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2:]
+    err = ((outs[0].float() - ref).norm() / ref.norm()).item()
+
+    def ours(use_pdl, tuning):
+        def run():
+            for i in range(chain):
+                j = i % copies
+                gemm.linear(xs[j], ws[j], outs[j], epilogue=epilogue, use_pdl=use_pdl, **tuning)
+        return run
+
+    def cublas(with_act):
+        def run():
+            for i in range(chain):
+                j = i % copies
+                if epilogue == "silu_mul":
+                    torch.mm(xs[j], ws[j].t(), out=tmps[j])
+                    if with_act:
+                        torch.mul(torch.nn.functional.silu(tmps[j][:, : n // 2]), tmps[j][:, n // 2:],
+                                  out=outs[j])
+                else:
+                    torch.mm(xs[j], ws[j].t(), out=outs[j])
+        return run
+
+    def per_call(fn):
+        return statistics.median(_time_graph(fn, args.replays)) / chain
+
+    row = {
+        "name": name, "m": m, "k": k, "n": n, "epilogue": epilogue, "weight_bytes": w_bytes,
+        "weight_copies": copies, "chain": chain, "rel_err": err,
+        "floor_bytes_s": w_bytes / HBM_BYTES_PER_S,
+        "floor_flops_s": 2 * m * n * k / BF16_FLOPS,
+        "ours_pdl_s": per_call(ours(True, {})),
+        "ours_nopdl_s": per_call(ours(False, {})),
+        "cublas_s": per_call(cublas(False)),
+        "variants": {},
+    }
+    if args.variants:
+        for label, tuning in variants(m, k, n, epilogue):
+            var_out = torch.empty_like(outs[0])
+            gemm.linear(xs[0], ws[0], var_out, epilogue=epilogue, use_pdl=False, **tuning)
+            var_err = ((var_out.float() - ref).norm() / ref.norm()).item()
+            row["variants"][label] = {"tuning": tuning, "pdl_s": per_call(ours(True, tuning)),
+                                      "rel_err": var_err}
+    if epilogue == "silu_mul":
+        row["cublas_act_s"] = per_call(cublas(True))
+    row["floor_s"] = max(row["floor_bytes_s"], row["floor_flops_s"])
+    row["config"] = repr(gemm.GemmConfig(m, k, n, epilogue, torch.cuda.get_device_properties(0).multi_processor_count))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="JSON file (default bench/results/gemm_<date>.json)")
+    ap.add_argument("--m", default="1,8,64,256", help="batch sizes, comma-separated")
+    ap.add_argument("--shapes", choices=["big", "tiny", "all"], default="big")
+    ap.add_argument("--chain", type=int, default=8, help="calls per graph (at least the weight copies)")
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--no-variants", dest="variants", action="store_false",
+                    help="time only the default configuration (not the other block_k / row_wgs)")
+    args = ap.parse_args()
+
+    props = torch.cuda.get_device_properties(0)
+    shapes = {"big": BIG_SHAPES, "tiny": TINY_SHAPES, "all": BIG_SHAPES + TINY_SHAPES}[args.shapes]
+    ms = [int(v) for v in args.m.split(",")]
+    copy_bw = measure_copy_bandwidth()
+    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB; "
+          f"D2D copy {copy_bw / 1e12:.2f} TB/s (floor uses {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
+
+    rows = []
+    hdr = (f"{'shape':<13}{'M':>4} {'floor us':>9} {'pdl us':>8} {'%floor':>7} {'nopdl us':>9} "
+           f"{'cublas us':>10} {'%floor':>7} {'pdl/cublas':>10} {'rel err':>8}  variants (pdl us)")
+    print(hdr)
+    print("-" * len(hdr))
+    for name, k, n, epi in shapes:
+        for m in ms:
+            r = bench_one(name, k, n, epi, m, args)
+            torch.cuda.empty_cache()                # free this shape's weight copies
+            rows.append(r)
+            fl = r["floor_s"]
+            var = " ".join(f"{label}:{v['pdl_s'] * 1e6:.2f}" + ("(BAD)" if v["rel_err"] > 1e-2 else "")
+                           for label, v in r["variants"].items())
+            print(f"{name:<13}{m:>4} {fl * 1e6:>9.2f} {r['ours_pdl_s'] * 1e6:>8.2f} "
+                  f"{fl / r['ours_pdl_s']:>7.1%} {r['ours_nopdl_s'] * 1e6:>9.2f} "
+                  f"{r['cublas_s'] * 1e6:>10.2f} {fl / r['cublas_s']:>7.1%} "
+                  f"{r['ours_pdl_s'] / r['cublas_s']:>10.3f} {r['rel_err']:>8.1e}  {var}"
+                  + (f"  (cublas+act {r['cublas_act_s'] * 1e6:.2f} us)" if "cublas_act_s" in r else ""),
+                  flush=True)
+
+    import cutlass
+
+    result = {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cutlass_dsl": getattr(cutlass, "__version__", "unknown"),
+        "host": platform.node(),
+        "hbm_bytes_per_s_nominal": HBM_BYTES_PER_S,
+        "d2d_copy_bytes_per_s_measured": copy_bw,
+        "bf16_flops_nominal": BF16_FLOPS,
+        "method": "CUDA graph of a chain of calls cycling weight copies > 4x L2; median of replays / chain",
+        "rows": rows,
+    }
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"gemm_{_dt.date.today().isoformat()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

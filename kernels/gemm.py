@@ -1,0 +1,733 @@
+"""Decode-shaped GEMM for Hopper (sm_90a): ``y[M, N] = x[M, K] @ W[N, K]^T``. DESIGN.md §3-§4.
+
+Decode is weight-bandwidth bound: for M <= 64 the kernel's job is to stream W (N*K*2 bytes,
+read once) from HBM at full speed, and to start streaming it *before* ``griddepcontrol.wait``
+so that under PDL it overlaps the previous kernel. Reasoning and numbers: bench/gemm_notes.md.
+
+Structure
+---------
+* **Swap AB**: the kernel computes ``y^T = W x^T`` with wgmma. W is the A operand (its N rows
+  fill the instruction's M = 64), x is the B operand (the batch fills the instruction's N, which
+  wgmma allows in steps of 8). M = 1 therefore pads to 8 batch columns, not to 64, and the same
+  code is a real tensor-core GEMM at M = 256 (two consumer warpgroups of 128 batch columns).
+* **Tiles**: a consumer warpgroup owns a *unit* of 128 W rows (two 64-row halves) x its batch
+  columns. With ``silu_mul`` the two halves are gate rows ``[64u, 64u+64)`` and up rows
+  ``[I+64u, ...)``, so one thread holds both accumulators of its output columns and the
+  epilogue is ``silu(gate) * up`` in fp32, rounded once. A tile is one unit, or two side by
+  side on two warpgroups when M > 16 and there are enough tiles (x is re-read from L2 once
+  per tile, so 256-row tiles halve that traffic); for M > 128 two warpgroups split the batch.
+* **Stream-K over a persistent grid**: the (tile, k-block) iterations are laid end to end and
+  cut into ``ctas`` equal contiguous ranges (ctas = number of SMs), one per CTA, so every SM
+  streams the same number of weight bytes (at most one k-block apart) whatever N/128 is. A tile
+  split between CTAs (at most 4) is reduced deterministically through a workspace: each
+  contributor counts its arrival on the tile's counter; every one but the last publishes its
+  fp32 partial and counts it on a second counter; the last waits for those partials (only
+  ever on CTAs that already arrived, i.e. are running, so no co-residency is assumed), sums
+  all partials in CTA order, its own from registers, writes y and resets both counters for
+  the next launch. The order, not the arrival, fixes the result: replays are bitwise equal.
+* **Pipeline**: a producer warp issues TMA (``cp.async.bulk.tensor``) loads of W (one 8 KB
+  64x64 box per half, two per half with ``block_k = 128``) and x (one box per batch
+  warpgroup) per stage into 128B-swizzled shared memory, completing on an mbarrier armed with
+  the stage's bytes; ``stages`` is as deep as ~200 KB of shared memory allows (M <= 8: 11
+  stages, 176 KB of W in flight per SM; M = 64: 8 x 16 KB, or 5 x 32 KB with 256-row tiles).
+  Consumer warpgroups wait on the stage, run wgmma (keeping one k-block in flight), and
+  release it.
+
+PDL (DESIGN §4)
+---------------
+* ``griddepcontrol.launch_dependents`` at entry (``TRIGGER = "early"``): the dependents launch
+  once every CTA has executed it, i.e. once the whole grid (one wave, ctas <= SMs) is resident,
+  so a dependent can never take an SM from one of our CTAs; it then waits for our completion
+  in its own ``griddepcontrol.wait``, and the next kernel (AttnRes, whose pre-phase reads only
+  data complete at launch) overlaps our tail instead of starting after it.
+* Before the wait the producer issues the W loads of the first ``stages`` pipeline stages
+  (``PROLOGUE_INPUTS = ("weight",)``); the stage barrier already expects the x bytes too, so no
+  consumer can start early.
+* Every thread executes ``griddepcontrol.wait`` (``WAITS = True``): the producer right before
+  its first x load, the consumers before any global access (workspace, counters, y).
+* The workspace and counters are touched only after the wait, so kernels that share them in
+  one stream are ordered by PDL completion itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import tempfile
+import threading
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.tensor_utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .compile_cache import CompileCache
+
+# PDL traits of this op, read by the scheduler (DESIGN §4).
+PROLOGUE_INPUTS = ("weight",)
+WAITS = True
+TRIGGER = "early"
+
+EPILOGUES = (None, "silu_mul")
+MAX_M = 256
+DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
+K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
+DEFAULT_BLOCK_K = 64       # TODO-measure 64 vs 128 (bench/gemm.py --block-k)
+HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
+SMEM_BUDGET = 200 * 1024   # leaves room on the SM for a PDL dependent's CTAs
+MAX_STAGES = 16
+# L2 eviction hint for the W stream (CUTLASS's CacheHintSm90::EVICT_FIRST): weights are read
+# once per step, so they should not push x, the partials or the next kernel's data out of L2.
+EVICT_FIRST = 0x12F0000000000000
+
+
+def _round_up(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+class GemmConfig:
+    """Every static decision for one (M, K, N, epilogue, ctas, block_k, row_wgs), in plain Python.
+
+    Vocabulary: a *half* is 64 W rows (one wgmma M); a *unit* is what one consumer warpgroup
+    owns in a tile: ``halves`` halves (silu_mul: one gate half and the matching up half); a
+    *tile* is ``row_wgs`` units side by side, each on its own warpgroup, times the whole batch
+    (split over ``col_wgs`` warpgroups when M > 128).
+    """
+
+    def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS,
+                 block_k: int | None = None, row_wgs: int | None = None):
+        check_shape(m, k, n, epilogue)
+        self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
+        self.silu = epilogue == "silu_mul"
+        self.n_out = n // 2 if self.silu else n
+        # K per pipeline stage: 64 (one 128-byte swizzle atom per W row) or 128 (two atoms, so
+        # each row contributes 256 contiguous bytes per stage; coarser stream-K balance).
+        if block_k is None:
+            block_k = DEFAULT_BLOCK_K if k % DEFAULT_BLOCK_K == 0 else K_ALIGN
+        if block_k not in (64, 128) or k % block_k:
+            raise ValueError(f"block_k={block_k} unsupported: 64 or 128, dividing K={k}")
+        self.block_k = block_k
+        self.k_blocks = k // block_k
+
+        # Units: two halves when they exist (silu: gate + up; else 128 contiguous rows).
+        self.halves = 2 if (self.silu or n % (2 * HALF_ROWS) == 0) else 1
+        self.unit_cols = HALF_ROWS if self.silu else HALF_ROWS * self.halves   # y columns per unit
+        self.units = self.n_out // self.unit_cols
+        # Batch columns: one consumer warpgroup up to 128, two beyond. wgmma allows N in steps
+        # of 8, but CuTe DSL 4.8.1 aborts building the swizzled B layout for an odd number of
+        # 8-row atoms (24, 40, ...), so N is 8 or a multiple of 16.
+        self.col_wgs = 1 if m <= 128 else 2
+        per_wg = -(-m // self.col_wgs)
+        self.mma_n = 8 if per_wg <= 8 else _round_up(per_wg, 16)
+        # x is re-read from L2 once per tile: with two units per tile (256 W rows) that costs
+        # mma_n/256 of the W bytes instead of mma_n/128. Worth it once x is not negligible
+        # (M > 16), if there are enough tiles to keep every SM busy; the price is a coarser
+        # stream-K step (32 KB of W per iteration) and partials twice as large.
+        if row_wgs is None:
+            row_wgs = 1
+            if self.col_wgs == 1 and m > 16 and self.units % 2 == 0:
+                if self._ctas_for(self.units // 2, ctas) >= self._ctas_for(self.units, ctas):
+                    row_wgs = 2
+        if row_wgs not in (1, 2) or self.units % row_wgs or row_wgs * self.col_wgs > 2:
+            raise ValueError(f"row_wgs={row_wgs} unsupported here (units={self.units}, col_wgs={self.col_wgs})")
+        self.row_wgs = row_wgs
+        self.wgs = self.row_wgs * self.col_wgs
+        self.tiles = self.units // self.row_wgs
+        self.iters = self.tiles * self.k_blocks
+        self.ctas = self._ctas_for(self.tiles, ctas)
+        self.max_segs = max(self.cta_of((t + 1) * self.k_blocks - 1) - self.cta_of(t * self.k_blocks) + 1
+                            for t in range(self.tiles))
+
+        self.threads = 128 * self.wgs + 32          # + one producer warp
+        self.producer_warp = 4 * self.wgs
+        self.w_boxes = self.row_wgs * self.halves   # 64-row W buffers per stage
+        self.w_stage_bytes = self.w_boxes * HALF_ROWS * block_k * 2
+        self.x_stage_bytes = self.col_wgs * self.mma_n * block_k * 2
+        self.stage_bytes = self.w_stage_bytes + self.x_stage_bytes
+        self.stages = max(2, min(MAX_STAGES, SMEM_BUDGET // self.stage_bytes))
+        # Accumulator floats per thread per half (64 x mma_n over 128 threads).
+        self.frag = HALF_ROWS * self.mma_n // 128
+        # Workspace: two partial slots per CTA (its first and last segment can be partial).
+        self.slot_floats = self.wgs * self.halves * self.frag * 128
+        self.workspace_floats = 2 * self.ctas * self.slot_floats
+
+    def _ctas_for(self, tiles: int, sms: int) -> int:
+        """One CTA per SM, each with at least a third of a tile's k-blocks, so a tile is split
+        over at most 4 CTAs (the reducer's fixed-order sum is unrolled over that bound); only
+        small problems get fewer CTAs than SMs."""
+        min_len = -(-self.k_blocks // 3)
+        return max(1, min(int(sms), tiles * self.k_blocks // min_len))
+
+    def key(self) -> tuple:
+        return (self.m, self.k, self.n, self.epilogue, self.ctas, self.block_k, self.row_wgs)
+
+    # The stream-K bookkeeping in plain integers. The kernel evaluates the same formulas on
+    # device values (DecodeGemmKernel.cta_of / slot_of); tests check their invariants here.
+    def cta_range(self, c: int) -> tuple[int, int]:
+        """[begin, end) of CTA c's (tile, k-block) iterations, g = tile * k_blocks + k_block."""
+        return (c * self.iters) // self.ctas, ((c + 1) * self.iters) // self.ctas
+
+    def cta_of(self, g: int) -> int:
+        """The CTA whose range holds iteration g."""
+        return ((g + 1) * self.ctas - 1) // self.iters
+
+    def slot_of(self, c: int, tile: int) -> int:
+        """Workspace slot of CTA c's partial of ``tile``."""
+        return 2 * c if self.cta_range(c)[0] >= tile * self.k_blocks else 2 * c + 1
+
+    def __repr__(self) -> str:
+        return (f"GemmConfig(m={self.m}, k={self.k}, n={self.n}, epilogue={self.epilogue!r}, "
+                f"ctas={self.ctas}, tiles={self.tiles}, block_k={self.block_k}, k_blocks={self.k_blocks}, "
+                f"stages={self.stages}, wgs={self.row_wgs}x{self.col_wgs}, mma_n={self.mma_n})")
+
+
+def check_shape(m: int, k: int, n: int, epilogue: str | None = None) -> None:
+    """Raise ValueError naming the rule a (M, K, N, epilogue) breaks."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r} unsupported: one of {EPILOGUES}")
+    if not isinstance(m, int) or not 1 <= m <= MAX_M:
+        raise ValueError(f"M={m} out of range: 1 <= M <= {MAX_M} (the captured batch size)")
+    if not isinstance(k, int) or k <= 0 or k % K_ALIGN:
+        raise ValueError(f"K={k} unsupported: K must be a positive multiple of {K_ALIGN}")
+    if not isinstance(n, int) or n <= 0 or n % HALF_ROWS:
+        raise ValueError(f"N={n} unsupported: N must be a positive multiple of {HALF_ROWS}")
+    if epilogue == "silu_mul" and n % (2 * HALF_ROWS):
+        raise ValueError(
+            f"N={n} unsupported with silu_mul: W is [gate; up] with I = N/2 rows each, and I "
+            f"must be a multiple of {HALF_ROWS}, so N must be a multiple of {2 * HALF_ROWS}"
+        )
+
+
+class DecodeGemmKernel:
+    """``y = x @ W^T`` (optionally ``silu(gate) * up``) for one static GemmConfig."""
+
+    def __init__(self, cfg: GemmConfig):
+        self.cfg = cfg
+
+    # --------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        x_addr: Int64,
+        w_addr: Int64,
+        y_addr: Int64,
+        ws_addr: Int64,
+        counter_addr: Int64,
+        stream: cuda.CUstream,
+        use_pdl: Boolean,
+    ):
+        cfg = self.cfg
+        gmem = cute.AddressSpace.gmem
+        # Row-major (K contiguous) global tensors with static shapes.
+        mX = cute.make_tensor(
+            cute.make_ptr(BFloat16, x_addr, gmem, assumed_align=16),
+            cute.make_layout((cfg.m, cfg.k), stride=(cfg.k, 1)),
+        )
+        mW = cute.make_tensor(
+            cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16),
+            cute.make_layout((cfg.n, cfg.k), stride=(cfg.k, 1)),
+        )
+        mY = cute.make_tensor(
+            cute.make_ptr(BFloat16, y_addr, gmem, assumed_align=16),
+            cute.make_layout((cfg.m, cfg.n_out), stride=(cfg.n_out, 1)),
+        )
+        mWs = cute.make_tensor(
+            cute.make_ptr(Float32, ws_addr, gmem, assumed_align=16),
+            cute.make_layout(cfg.workspace_floats),
+        )
+        mCount = cute.make_tensor(
+            cute.make_ptr(Int32, counter_addr, gmem, assumed_align=4),
+            cute.make_layout(2 * cfg.tiles),      # arrived[tiles], ready[tiles]
+        )
+
+        k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
+            Float32, (1, 1, 1), tiler_mn=(HALF_ROWS, cfg.mma_n),
+        )
+        mma_tiler = (HALF_ROWS, cfg.mma_n, cfg.block_k)
+        # Per stage: one (64 x block_k) W buffer per half of every unit (w_boxes), one
+        # (mma_n x block_k) x buffer per batch warpgroup.
+        sW_layout = sm90_utils.make_smem_layout_a(k_major, mma_tiler, BFloat16, cfg.stages * cfg.w_boxes)
+        sX_layout = sm90_utils.make_smem_layout_b(k_major, mma_tiler, BFloat16, cfg.stages * cfg.col_wgs)
+
+        tma_w, mW_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mW,
+            cute.slice_(sW_layout, (None, None, 0)), (HALF_ROWS, cfg.block_k),
+        )
+        tma_x, mX_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mX,
+            cute.slice_(sX_layout, (None, None, 0)), (cfg.mma_n, cfg.block_k),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            full: cute.struct.MemRange[Int64, cfg.stages]
+            empty: cute.struct.MemRange[Int64, cfg.stages]
+            flag: cute.struct.MemRange[Int32, 4]
+            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sX_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tma_w, mW_tma, tma_x, mX_tma, mY, mWs, mCount, tiled_mma, sW_layout, sX_layout,
+        ).launch(
+            grid=[cfg.ctas, 1, 1],
+            block=[cfg.threads, 1, 1],
+            stream=stream,
+            use_pdl=use_pdl,
+        )
+
+    # --------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_w: cute.CopyAtom,
+        mW_tma: cute.Tensor,
+        tma_x: cute.CopyAtom,
+        mX_tma: cute.Tensor,
+        mY: cute.Tensor,
+        mWs: cute.Tensor,
+        mCount: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        sW_layout: cute.ComposedLayout,
+        sX_layout: cute.ComposedLayout,
+    ):
+        cfg = self.cfg
+        # Trigger early: the grid is a single wave, so dependents cannot displace our CTAs.
+        cute.arch.griddepcontrol_launch_dependents()
+
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+
+        if warp == cfg.producer_warp:
+            cpasync.prefetch_descriptor(tma_w)
+            cpasync.prefetch_descriptor(tma_x)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        flag = storage.flag.data_ptr()
+        sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+        sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+
+        if warp == cfg.producer_warp:
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(cfg.stages):
+                    cute.arch.mbarrier_init(full + s, 1)
+                    # One release per consumer warp.
+                    cute.arch.mbarrier_init(empty + s, 4 * cfg.wgs)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # This CTA's contiguous range [g_begin, g_end) of (tile, k-block) iterations.
+        g_begin = (cta * cfg.iters) // cfg.ctas
+        g_end = ((cta + 1) * cfg.iters) // cfg.ctas
+        n_iters = g_end - g_begin
+
+        if warp == cfg.producer_warp:
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, g_begin, n_iters)
+        else:
+            # Consumers touch global memory (workspace, counters, y) only after the wait.
+            cute.arch.griddepcontrol_wait()
+            self.consumer(tiled_mma, sW, sX, full, empty, flag, mY, mWs, mCount,
+                          cta, tidx, warp, lane, g_begin, g_end)
+
+    # --------------------------------------------------------------------------------------------
+    @cute.jit
+    def w_row_block(self, tile: Int32, r: cutlass.Constexpr, half: cutlass.Constexpr) -> Int32:
+        """Index of the 64-row block of W holding half ``half`` of unit ``r`` of ``tile``."""
+        cfg = self.cfg
+        unit = tile * cfg.row_wgs + r
+        if const_expr(cfg.silu):
+            return unit + half * cfg.units      # gate rows, then up rows (+I = units * 64)
+        return unit * cfg.halves + half
+
+    @cute.jit
+    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, g_begin, n_iters):
+        cfg = self.cfg
+        # (TMA, row_block, k_block) views of W and x; (TMA, buffer) views of shared memory.
+        gW = cute.local_tile(mW_tma, (HALF_ROWS, cfg.block_k), (None, None))
+        gX = cute.local_tile(mX_tma, (cfg.mma_n, cfg.block_k), (None, None))
+        tWsW, tWgW = cpasync.tma_partition(
+            tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        tXsX, tXgX = cpasync.tma_partition(
+            tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        evict_first = Int64(EVICT_FIRST)
+
+        # Prologue, before the PDL wait: weight traffic only. The stages are fresh (no empty
+        # wait); each barrier is armed with the whole stage (W + x) so it cannot complete
+        # before the x bytes land after the wait.
+        n_pre = cutlass.min(n_iters, cfg.stages)
+        for i in cutlass.range(n_pre, unroll=1):
+            g = g_begin + i
+            tile = g // cfg.k_blocks
+            kb = g - tile * cfg.k_blocks
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_bytes)
+            for r in cutlass.range_constexpr(cfg.row_wgs):
+                for h in cutlass.range_constexpr(cfg.halves):
+                    cute.copy(tma_w, tWgW[(None, self.w_row_block(tile, r, h), kb)],
+                              tWsW[(None, i * cfg.w_boxes + r * cfg.halves + h)],
+                              tma_bar_ptr=full + i, cache_policy=evict_first)
+
+        cute.arch.griddepcontrol_wait()
+
+        # x for the prologue stages.
+        for i in cutlass.range(n_pre, unroll=1):
+            g = g_begin + i
+            kb = g - (g // cfg.k_blocks) * cfg.k_blocks
+            for c in cutlass.range_constexpr(cfg.col_wgs):
+                cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, i * cfg.col_wgs + c)],
+                          tma_bar_ptr=full + i)
+
+        # Steady state: wait for the consumers to free a stage, refill it with W and x.
+        for i in cutlass.range(n_pre, n_iters, unroll=1):
+            s = i % cfg.stages
+            phase = (i // cfg.stages) % 2
+            cute.arch.mbarrier_wait(empty + s, phase ^ 1)
+            g = g_begin + i
+            tile = g // cfg.k_blocks
+            kb = g - tile * cfg.k_blocks
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_bytes)
+            for r in cutlass.range_constexpr(cfg.row_wgs):
+                for h in cutlass.range_constexpr(cfg.halves):
+                    cute.copy(tma_w, tWgW[(None, self.w_row_block(tile, r, h), kb)],
+                              tWsW[(None, s * cfg.w_boxes + r * cfg.halves + h)],
+                              tma_bar_ptr=full + s, cache_policy=evict_first)
+            for c in cutlass.range_constexpr(cfg.col_wgs):
+                cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, s * cfg.col_wgs + c)],
+                          tma_bar_ptr=full + s)
+
+    # --------------------------------------------------------------------------------------------
+    @cute.jit
+    def cta_of(self, g: Int32) -> Int32:
+        """The CTA whose range holds iteration g (inverse of g_begin = cta * iters // ctas)."""
+        cfg = self.cfg
+        return ((g + 1) * cfg.ctas - 1) // cfg.iters
+
+    @cute.jit
+    def slot_of(self, c: Int32, tile: Int32) -> Int32:
+        """Workspace slot of CTA c's partial of ``tile``: 2c if its range starts inside the tile
+        (the tile is its first segment), else 2c + 1 (the tile is its last segment)."""
+        cfg = self.cfg
+        c_begin = (c * cfg.iters) // cfg.ctas
+        slot = 2 * c + 1
+        if c_begin >= tile * cfg.k_blocks:
+            slot = 2 * c
+        return slot
+
+    @cute.jit
+    def consumer(self, tiled_mma, sW, sX, full, empty, flag, mY, mWs, mCount,
+                 cta, tidx, warp, lane, g_begin, g_end):
+        cfg = self.cfg
+        wg = warp // 4
+        wg_row = wg // cfg.col_wgs      # which unit of the tile (W rows)
+        wg_col = wg % cfg.col_wgs       # which batch columns
+        wg_tid = tidx % 128
+        thr_mma = tiled_mma.get_slice(wg_tid)
+        tCsW = thr_mma.partition_A(sW)
+        tCsX = thr_mma.partition_B(sX)
+        tCrW = tiled_mma.make_fragment_A(tCsW)
+        tCrX = tiled_mma.make_fragment_B(tCsX)
+        # (row, batch column) of each accumulator element, for the epilogue.
+        tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((HALF_ROWS, cfg.mma_n)))
+        accs = [cute.make_rmem_tensor(tCcAcc.shape, Float32) for _ in range(cfg.halves)]
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        k_steps = cute.size(tCrW, mode=[2])
+
+        t_first = g_begin // cfg.k_blocks
+        t_last = (g_end - 1) // cfg.k_blocks
+        for tile in cutlass.range(t_first, t_last + 1, unroll=1):
+            t_base = tile * cfg.k_blocks
+            kb_lo = cutlass.max(g_begin - t_base, 0)
+            kb_hi = cutlass.min(g_end - t_base, cfg.k_blocks)
+            for h in cutlass.range_constexpr(cfg.halves):
+                accs[h].fill(0.0)
+            for kb in cutlass.range(kb_lo, kb_hi, unroll=1):
+                i = t_base + kb - g_begin
+                s = i % cfg.stages
+                cute.arch.mbarrier_wait(full + s, (i // cfg.stages) % 2)
+                warpgroup.fence()
+                for h in cutlass.range_constexpr(cfg.halves):
+                    for kk in cutlass.range_constexpr(k_steps):
+                        cute.gemm(tiled_mma, accs[h],
+                                  tCrW[(None, None, kk, s * cfg.w_boxes + wg_row * cfg.halves + h)],
+                                  tCrX[(None, None, kk, s * cfg.col_wgs + wg_col)],
+                                  accs[h])
+                warpgroup.commit_group()
+                # Keep this k-block's wgmma in flight; the previous one is done, free its stage.
+                warpgroup.wait_group(1)
+                if kb > kb_lo and lane == 0:
+                    cute.arch.mbarrier_arrive(empty + (i - 1) % cfg.stages)
+            warpgroup.wait_group(0)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty + (t_base + kb_hi - 1 - g_begin) % cfg.stages)
+
+            if kb_lo == 0 and kb_hi == cfg.k_blocks:
+                self.store_tile(accs, tCcAcc, mY, tile, wg_row, wg_col)
+            else:
+                self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid)
+
+    @cute.jit
+    def store_tile(self, accs, tCcAcc, mY, tile, wg_row, wg_col):
+        """Epilogue of one finished unit: fp32 accumulators -> bf16 y, batch rows >= M masked."""
+        cfg = self.cfg
+        unit = tile * cfg.row_wgs + wg_row
+        for j in cutlass.range_constexpr(cute.size(tCcAcc)):
+            row, col = tCcAcc[j]
+            m = wg_col * cfg.mma_n + col
+            if m < cfg.m:
+                if const_expr(cfg.silu):
+                    gate = accs[0][j]
+                    up = accs[1][j]
+                    val = gate / (Float32(1.0) + cute.math.exp(-gate)) * up
+                    mY[m, unit * HALF_ROWS + row] = val.to(BFloat16)
+                else:
+                    for h in cutlass.range_constexpr(cfg.halves):
+                        mY[m, (unit * cfg.halves + h) * HALF_ROWS + row] = accs[h][j].to(BFloat16)
+
+    @cute.jit
+    def ws_offset(self, slot, wg, h: cutlass.Constexpr, j: cutlass.Constexpr, wg_tid):
+        # Fragment order, thread-minor: each (slot, wg, h, j) is 128 consecutive floats, so
+        # every store and load of a partial is coalesced.
+        cfg = self.cfg
+        return (((slot * cfg.wgs + wg) * cfg.halves + h) * cfg.frag + j) * 128 + wg_tid
+
+    @cute.jit
+    def reduce_split_tile(self, accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid):
+        """A tile whose k-blocks are spread over CTAs c_lo..c_hi (at most ``max_segs``).
+
+        Arrive first (``arrived[tile]``): whoever is not last publishes its fp32 partial and
+        bumps ``ready[tile]``; the last one waits for ``ready`` (only on CTAs that already
+        arrived, so it never waits on a CTA that is not running), sums all partials in CTA
+        order (its own from registers) and writes y. The order, not the arrival, fixes the
+        result, so it is deterministic. The last one also resets both counters to zero.
+        """
+        cfg = self.cfg
+        consumers = 128 * cfg.wgs
+        leader = wg_tid == 0 and wg == 0
+        p_arrived = (mCount.iterator + tile).llvm_ptr
+        p_ready = (mCount.iterator + (cfg.tiles + tile)).llvm_ptr
+        c_lo = self.cta_of(tile * cfg.k_blocks)
+        c_hi = self.cta_of(tile * cfg.k_blocks + cfg.k_blocks - 1)
+
+        # The first barrier also keeps the leader from overwriting flag[0] before every
+        # consumer has read the previous segment's value.
+        cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+        if leader:
+            flag[0] = cute.arch.atomic_add(p_arrived, Int32(1), sem="relaxed", scope="gpu")
+        cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+        arrived = flag[0]
+
+        if arrived != c_hi - c_lo:
+            # Not last: publish the partial (fence + barrier + release, the classic pattern).
+            my_slot = self.slot_of(cta, tile)
+            for h in cutlass.range_constexpr(cfg.halves):
+                for j in cutlass.range_constexpr(cfg.frag):
+                    mWs[self.ws_offset(my_slot, wg, h, j, wg_tid)] = accs[h][j]
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+            if leader:
+                cute.arch.atomic_add(p_ready, Int32(1), sem="release", scope="gpu")
+        else:
+            if leader:
+                # Every other contributor has arrived; wait until each has published.
+                ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
+                while ready != c_hi - c_lo:
+                    ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
+                mCount[tile] = Int32(0)              # both counters back to zero for the
+                mCount[cfg.tiles + tile] = Int32(0)  # next launch; nobody else touches them
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+            cute.arch.fence_acq_rel_gpu()
+            # Partial slots of c_lo .. c_lo + max_segs - 1, clamped to c_hi so every load is
+            # in bounds; the loads are unconditional (so they can all be in flight) and the
+            # unused ones (past c_hi, or our own slot) are discarded by selects.
+            slots = [self.slot_of(cutlass.min(c_lo + q, c_hi), tile) for q in range(cfg.max_segs)]
+            for h in cutlass.range_constexpr(cfg.halves):
+                for j in cutlass.range_constexpr(cfg.frag):
+                    total = Float32(0.0)
+                    for q in cutlass.range_constexpr(cfg.max_segs):
+                        # Written by other SMs during this kernel: read through L2 (ld.cg).
+                        part = cute.arch.load(
+                            (mWs.iterator + self.ws_offset(slots[q], wg, h, j, wg_tid)).llvm_ptr,
+                            Float32, cop="cg")
+                        part = Float32(cutlass.select_(c_lo + q == cta, accs[h][j], part))
+                        total = Float32(cutlass.select_(c_lo + q <= c_hi, total + part, total))
+                    accs[h][j] = total
+            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compilation and the compile cache.
+# ------------------------------------------------------------------------------------------------
+def _compile_args():
+    z = Int64(0)
+    return (z, z, z, z, z, cuda.CUstream(0), Boolean(True))
+
+
+def _build(m: int, k: int, n: int, epilogue: str | None, ctas: int, block_k: int, row_wgs: int,
+           options: str = ""):
+    kernel = DecodeGemmKernel(GemmConfig(m, k, n, epilogue, ctas, block_k, row_wgs))
+    if options:
+        return cute.compile(kernel, *_compile_args(), options=options)
+    return cute.compile(kernel, *_compile_args())
+
+
+_CACHE = CompileCache("gemm", _build, sys.modules[__name__])
+
+
+def compile_cache() -> CompileCache:
+    return _CACHE
+
+
+def compile_linear(m: int, k: int, n: int, epilogue: str | None = None, *,
+                   ctas: int = DEFAULT_SMS, block_k: int | None = None, row_wgs: int | None = None,
+                   options: str | None = None):
+    """The compiled kernel for one static configuration. Without ``options`` it comes from the
+    compile cache (in process, then on disk); with options (e.g. ``--keep-ptx --dump-dir D``) it
+    is compiled afresh, so ``.__ptx__`` is there. Works without a GPU when
+    ``CUTE_DSL_ARCH=sm_90a``. ``ctas`` is the persistent grid: the device's SM count;
+    ``block_k`` and ``row_wgs`` (None: the defaults) are tuning knobs for the benchmark."""
+    cfg = GemmConfig(m, k, n, epilogue, ctas, block_k, row_wgs)
+    if options:
+        return _build(*cfg.key(), options=options)
+    return _CACHE.get(cfg.key())
+
+
+def linear_ptx(m: int, k: int, n: int, epilogue: str | None = None, *, ctas: int = DEFAULT_SMS,
+               block_k: int | None = None, row_wgs: int | None = None) -> str:
+    """PTX text of one configuration (compiled afresh with --keep-ptx, not cached)."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        return compile_linear(m, k, n, epilogue, ctas=ctas, block_k=block_k, row_wgs=row_wgs,
+                              options=f"--keep-ptx --dump-dir {dump_dir}").__ptx__
+
+
+# ------------------------------------------------------------------------------------------------
+# Workspace: fp32 partials + per-tile arrival counters, per (device, configuration).
+# ------------------------------------------------------------------------------------------------
+_WORKSPACES: dict[tuple, tuple] = {}
+_WS_LOCK = threading.Lock()
+
+
+def _workspace(cfg: GemmConfig, device):
+    """(partials, counters) for one configuration on one device, allocated once.
+
+    Counters start at zero and every launch leaves them at zero (the last CTA of a split tile
+    resets its counter), so the buffers are reused by every launch of this configuration. Two
+    launches that share them are ordered: all their accesses happen after griddepcontrol.wait,
+    i.e. after the previous kernel in the stream completed. Launches of one configuration on
+    two streams at once are not supported.
+    """
+    import torch
+
+    key = (device.index if device.index is not None else torch.cuda.current_device(), cfg.key())
+    ws = _WORKSPACES.get(key)
+    if ws is not None:
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"linear: first call of {cfg} on {device} happened during CUDA graph capture; call "
+            "it once before capturing (warm-up) so its workspace is allocated outside the graph"
+        )
+    with _WS_LOCK:
+        ws = _WORKSPACES.get(key)
+        if ws is None:
+            partials = torch.empty(max(cfg.workspace_floats, 4), dtype=torch.float32, device=device)
+            counters = torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device)
+            ws = (partials, counters)
+            _WORKSPACES[key] = ws
+    return ws
+
+
+@functools.lru_cache(maxsize=None)
+def _config(m: int, k: int, n: int, epilogue: str | None, sms: int, block_k: int | None,
+            row_wgs: int | None) -> GemmConfig:
+    return GemmConfig(m, k, n, epilogue, sms, block_k, row_wgs)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device) -> int:
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = torch.cuda.get_device_properties(idx).multi_processor_count
+        _SM_COUNT[idx] = n
+    return n
+
+
+# ------------------------------------------------------------------------------------------------
+# Torch entry point.
+# ------------------------------------------------------------------------------------------------
+def _check_tensor(name: str, t, shape: tuple, device) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major)")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned (TMA needs it)")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like weight")
+
+
+def validate(x, weight, out, epilogue: str | None = None) -> tuple[int, int, int]:
+    """Check a ``linear`` call; returns (M, K, N). Raises ValueError naming the rule."""
+    import torch
+
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("weight must be a 2-D [N, K] tensor")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError("x must be a 2-D [M, K] tensor")
+    n, k = weight.shape
+    m = x.shape[0]
+    check_shape(int(m), int(k), int(n), epilogue)
+    device = weight.device
+    if device.type != "cuda":
+        raise ValueError(f"tensors must be on a CUDA device, got {device}")
+    n_out = n // 2 if epilogue == "silu_mul" else n
+    _check_tensor("weight", weight, (n, k), device)
+    _check_tensor("x", x, (m, k), device)
+    _check_tensor("out", out, (m, n_out), device)
+    return int(m), int(k), int(n)
+
+
+def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl: bool = True,
+           block_k: int | None = None, row_wgs: int | None = None) -> None:
+    """``out = x @ weight.T`` (bf16 in/out, fp32 accumulation), or with ``epilogue="silu_mul"``
+    ``out = silu(g) * u`` where ``[g | u] = x @ weight.T`` split in halves (weight is the fused
+    [gate; up] matrix). Launches on ``stream`` (default: the current stream at call time) with
+    the PDL attribute when ``use_pdl``. Capturable in a CUDA graph once it has been called
+    outside capture for this shape (that first call allocates the split-K workspace).
+    ``block_k`` and ``row_wgs`` are tuning knobs (bench/gemm.py); leave them None."""
+    import torch
+
+    m, k, n = validate(x, weight, out, epilogue)
+    device = weight.device
+    cfg = _config(m, k, n, epilogue, _sm_count(device), block_k, row_wgs)
+    fn = _CACHE.get(cfg.key())
+    partials, counters = _workspace(cfg, device)
+    if stream is None:
+        stream = torch.cuda.current_stream(device)
+    fn(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), partials.data_ptr(), counters.data_ptr(),
+        cuda.CUstream(stream.cuda_stream), bool(use_pdl),
+    )

@@ -1,0 +1,248 @@
+"""Decode GEMM (kernels/gemm.py) on the CPU: validation, the stream-K bookkeeping, and
+compile-only checks of the PTX (CUTE_DSL_ARCH=sm_90a, set by conftest.py before cutlass loads).
+
+Compiles ~35 configurations (about 1-8 s each; ~75 s in all on 2 cores); the PTX is shared through a module cache.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from graphc.kernels import gemm
+from graphc.kernels.gemm import EVICT_FIRST, GemmConfig, check_shape, linear_ptx
+
+# (K, N, epilogue): Kimi K3 (hidden 7168) and tiny.yaml (hidden 1024, intermediate 2816).
+BIG_SHAPES = [
+    (7168, 36864, "silu_mul"),   # gate_up
+    (18432, 7168, None),         # down
+    (7168, 10240, None),         # qkv
+    (8192, 7168, None),          # o_proj
+]
+TINY_SHAPES = [
+    (1024, 1536, None),
+    (1024, 5632, "silu_mul"),
+    (2816, 1024, None),
+    (1024, 1024, None),
+]
+SPEC_SHAPES = BIG_SHAPES + TINY_SHAPES
+
+# Long unrolled epilogue loops (M = 256) make CuTe DSL suggest unroll_full; compile time is fine.
+pytestmark = pytest.mark.filterwarnings("ignore:This static loop has")
+
+_PTX: dict[tuple, str] = {}
+
+
+def ptx_of(m: int, k: int, n: int, epilogue: str | None, block_k: int | None = None) -> str:
+    key = (m, k, n, epilogue, block_k)
+    if key not in _PTX:
+        _PTX[key] = linear_ptx(m, k, n, epilogue, block_k=block_k)
+    return _PTX[key]
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation.
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "m, k, n, epilogue, rule",
+    [
+        (8, 1000, 1024, None, "multiple of 64"),       # K
+        (8, 1024, 1000, None, "multiple of 64"),       # N
+        (8, 0, 1024, None, "multiple of 64"),
+        (8, 1024, 192, "silu_mul", "multiple of 128"),  # I = 96 is not a multiple of 64
+        (0, 1024, 1024, None, "1 <= M <= 256"),
+        (257, 1024, 1024, None, "1 <= M <= 256"),
+        (8, 1024, 1024, "gelu", "epilogue"),
+    ],
+)
+def test_bad_shapes_are_refused(m, k, n, epilogue, rule):
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        check_shape(m, k, n, epilogue)
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        GemmConfig(m, k, n, epilogue)
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        gemm.compile_linear(m, k, n, epilogue)
+
+
+def test_bad_block_k_is_refused():
+    with pytest.raises(ValueError, match="block_k"):
+        GemmConfig(8, 1024, 1024, block_k=32)
+    with pytest.raises(ValueError, match="block_k"):
+        GemmConfig(8, 192, 1024, block_k=128)      # 128 does not divide K = 192
+    assert GemmConfig(8, 192, 1024).block_k == 64
+
+
+def test_linear_validates_tensors():
+    torch = pytest.importorskip("torch")
+    bf = torch.bfloat16
+    x, w = torch.zeros(4, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemm.linear(torch.zeros(4, 1000, dtype=bf), torch.zeros(1024, 1000, dtype=bf),
+                    torch.zeros(4, 1024, dtype=bf))
+    with pytest.raises(ValueError, match="CUDA device"):
+        gemm.linear(x, w, torch.zeros(4, 1024, dtype=bf))
+    with pytest.raises(ValueError, match="2-D"):
+        gemm.linear(x[0], w, torch.zeros(4, 1024, dtype=bf))
+    with pytest.raises(ValueError, match="1 <= M <= 256"):
+        gemm.linear(torch.zeros(300, 1024, dtype=bf), w, torch.zeros(300, 1024, dtype=bf))
+
+
+def test_pdl_traits():
+    assert gemm.PROLOGUE_INPUTS == ("weight",)
+    assert gemm.WAITS is True
+    assert gemm.TRIGGER in ("early", "late")
+
+
+# ------------------------------------------------------------------------------------------------
+# Stream-K bookkeeping (the same formulas the kernel evaluates on device values).
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k, n, epilogue", SPEC_SHAPES + [(64, 64, None), (128, 192, None)])
+@pytest.mark.parametrize("sms", [132, 114, 7, 1])
+@pytest.mark.parametrize("m, row_wgs", [(8, None), (64, None), (64, 1)])
+def test_stream_k_partition(k, n, epilogue, sms, m, row_wgs):
+    cfg = GemmConfig(m, k, n, epilogue, sms, row_wgs=row_wgs)
+    kb = cfg.k_blocks
+    assert 1 <= cfg.ctas <= sms
+    segments: dict[int, list[tuple[int, int, int]]] = {}
+    for c in range(cfg.ctas):
+        begin, end = cfg.cta_range(c)
+        assert end > begin, "every CTA gets work"
+        assert all(cfg.cta_of(g) == c for g in range(begin, end))
+        for t in range(begin // kb, (end - 1) // kb + 1):
+            segments.setdefault(t, []).append((c, max(begin - t * kb, 0), min(end - t * kb, kb)))
+    assert sorted(segments) == list(range(cfg.tiles))
+    used_slots = set()
+    for t, segs in segments.items():
+        ctas = [c for c, _, _ in segs]
+        assert ctas == list(range(cfg.cta_of(t * kb), cfg.cta_of(t * kb + kb - 1) + 1))
+        assert len(segs) <= cfg.max_segs <= 4
+        covered = 0
+        for _, lo, hi in sorted(segs, key=lambda s: s[1]):
+            assert lo == covered
+            covered = hi
+        assert covered == kb, "the segments of a tile cover its k-blocks exactly once"
+        if len(segs) > 1:
+            for c, _, _ in segs:
+                slot = cfg.slot_of(c, t)
+                assert slot // 2 == c and slot not in used_slots
+                used_slots.add(slot)
+    assert max(used_slots, default=0) < 2 * cfg.ctas
+    # Balance: CTAs differ by at most one k-block of weights.
+    lengths = [e - b for b, e in map(cfg.cta_range, range(cfg.ctas))]
+    assert max(lengths) - min(lengths) <= 1
+
+
+def test_config_choices():
+    cfg = GemmConfig(1, 7168, 36864, "silu_mul")
+    assert (cfg.mma_n, cfg.row_wgs, cfg.col_wgs, cfg.halves, cfg.n_out, cfg.tiles) == (8, 1, 1, 2, 18432, 288)
+    assert cfg.stages * cfg.w_stage_bytes >= 64 * 1024, "at least 64 KB of weights in flight"
+    cfg = GemmConfig(64, 7168, 36864, "silu_mul")      # x is not negligible: 256-row tiles
+    assert (cfg.mma_n, cfg.row_wgs, cfg.col_wgs, cfg.tiles, cfg.threads) == (64, 2, 1, 144, 288)
+    assert cfg.stages * cfg.w_stage_bytes >= 64 * 1024
+    cfg = GemmConfig(64, 18432, 7168)                  # too few 256-row tiles for 132 SMs
+    assert (cfg.mma_n, cfg.row_wgs, cfg.col_wgs, cfg.ctas) == (64, 1, 1, 132)
+    assert cfg.stages * cfg.w_stage_bytes >= 64 * 1024
+    cfg = GemmConfig(256, 7168, 10240)
+    assert (cfg.mma_n, cfg.row_wgs, cfg.col_wgs, cfg.threads) == (128, 1, 2, 288)
+    assert cfg.stages * cfg.stage_bytes <= gemm.SMEM_BUDGET
+    assert GemmConfig(3, 1024, 1024).mma_n == 8
+    assert GemmConfig(200, 1024, 1024).mma_n == 112
+    assert GemmConfig(64, 18432, 7168, row_wgs=2).ctas < 132   # the knob still works
+    with pytest.raises(ValueError, match="row_wgs"):
+        GemmConfig(256, 7168, 10240, row_wgs=2)         # at most two consumer warpgroups
+
+
+# ------------------------------------------------------------------------------------------------
+# Compile-only: the PTX has the structure DESIGN §3-§4 asks for.
+# ------------------------------------------------------------------------------------------------
+def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
+    assert ".target sm_90a" in ptx
+    assert "griddepcontrol.launch_dependents" in ptx
+    assert "griddepcontrol.wait" in ptx
+    assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier::complete_tx::bytes" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.mma_n}k16.f32.bf16.bf16" in ptx
+    # Split-K reduction: arrival counter, release/acquire publication, L2-only partial loads.
+    assert "atom.global" in ptx and "atom.global.release" in ptx
+    assert "ld.acquire.gpu" in ptx and "ld.global.cg" in ptx
+    # PDL: the trigger comes first; before the first wait the only global traffic is the
+    # weight TMA (with the evict-first hint): no x, no y, no workspace, no counters.
+    trigger = ptx.index("griddepcontrol.launch_dependents")
+    wait = ptx.index("griddepcontrol.wait")
+    first_tma = ptx.index("cp.async.bulk.tensor")
+    assert trigger < first_tma < wait
+    prologue = ptx[:wait]
+    assert str(EVICT_FIRST) in prologue
+    for op in ("ld.global", "st.global", "atom.", "red."):
+        assert not re.search(r"(?<![\w.])" + re.escape(op), prologue), f"{op} before griddepcontrol.wait"
+    # Every cp.async.bulk.tensor before the wait uses the W descriptor's hint register.
+    hints = re.findall(r"mov\.b64\s+(%rd\d+),\s*(\d+);", prologue)
+    w_regs = {r for r, v in hints if int(v) == EVICT_FIRST}
+    for line in prologue.splitlines():
+        if "cp.async.bulk.tensor" in line:
+            assert line.rstrip(";").split(",")[-1].strip() in w_regs, line
+
+
+@pytest.mark.parametrize("k, n, epilogue", SPEC_SHAPES)
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_ptx_spec_shapes(m, k, n, epilogue):
+    _check_ptx(ptx_of(m, k, n, epilogue), GemmConfig(m, k, n, epilogue))
+
+
+@pytest.mark.parametrize(
+    "m, k, n, epilogue",
+    [
+        (3, 1024, 1024, None),            # odd M: masked batch rows
+        (200, 1024, 5632, "silu_mul"),    # two batch warpgroups, the second partly padded
+        (64, 7168, 36864, "silu_mul"),    # two row warpgroups (256-row tiles)
+        (32, 1024, 36864, None),          # two row warpgroups, plain
+        (256, 7168, 10240, None),         # M = 256: 2 x m64n128 per k-step
+        (8, 128, 192, None),              # N not a multiple of 128: one 64-row half per tile
+    ],
+)
+def test_ptx_other_shapes(m, k, n, epilogue):
+    cfg = GemmConfig(m, k, n, epilogue)
+    _check_ptx(ptx_of(m, k, n, epilogue), cfg)
+    if (m, n) in ((64, 36864), (32, 36864)):
+        assert cfg.row_wgs == 2
+
+
+@pytest.mark.parametrize("m, k, n, epilogue", [(8, 7168, 10240, None), (64, 1024, 5632, "silu_mul")])
+def test_ptx_block_k_128(m, k, n, epilogue):
+    """K = 128 per stage: two 64-wide TMA boxes per 64-row half, 8 wgmma k-steps per half."""
+    cfg = GemmConfig(m, k, n, epilogue, block_k=128)
+    ptx = ptx_of(m, k, n, epilogue, 128)
+    _check_ptx(ptx, cfg)
+    assert ptx.count(f"m64n{cfg.mma_n}k16") == 8 * cfg.halves
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
+@pytest.mark.parametrize(
+    "m, k, n, epilogue, max_spill",
+    [
+        (64, 18432, 7168, None, 0),          # decode: nothing may spill
+        (64, 7168, 36864, "silu_mul", 0),
+        # M = 256 with silu_mul holds 128 fp32 accumulators per thread; ptxas spills a few
+        # bytes in the split-tile reduction (once per tile, not in the main loop).
+        (256, 7168, 36864, "silu_mul", 64),
+    ],
+)
+def test_register_spills(tmp_path, m, k, n, epilogue, max_spill):
+    src = tmp_path / "gemm.ptx"
+    src.write_text(ptx_of(m, k, n, epilogue))
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "gemm.cubin")],
+                         capture_output=True, text=True, check=True)
+    report = out.stdout + out.stderr
+    spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert spill <= max_spill, report
+
+
+def test_compile_cache_reuses(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
+    cache = gemm.compile_cache()
+    cache.clear_memory()
+    first = gemm.compile_linear(8, 1024, 1024)
+    assert gemm.compile_linear(8, 1024, 1024) is first
+    assert cache.stats["memory_hits"] >= 1

@@ -1,0 +1,249 @@
+"""Decode GEMM (kernels/gemm.py) on the GPU: numerics against fp32 torch, CUDA-graph replay
+determinism, and a PDL race against a slow producer of x.
+
+    source .gpu/setup.sh && python3 -m pytest -m gpu -q tests/test_gemm_gpu.py
+
+Every test is marked ``gpu``; conftest.py skips them without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from graphc.kernels import gemm  # noqa: E402
+
+# A kernel bug shows up as a hang in synchronize(); the thread method of pytest-timeout (on the
+# GPU image) dumps the stacks and ends the process instead of holding the machine.
+try:
+    import pytest_timeout  # noqa: F401
+
+    _HANG_GUARD = [pytest.mark.timeout(300, method="thread")]
+except ImportError:
+    _HANG_GUARD = []
+pytestmark = [pytest.mark.gpu, *_HANG_GUARD]
+
+BIG_SHAPES = [
+    (7168, 36864, "silu_mul"),   # gate_up
+    (18432, 7168, None),         # down
+    (7168, 10240, None),         # qkv
+    (8192, 7168, None),          # o_proj
+]
+TINY_SHAPES = [
+    (1024, 1536, None),
+    (1024, 5632, "silu_mul"),
+    (2816, 1024, None),
+    (1024, 1024, None),
+]
+ALL_M = [1, 3, 8, 64, 256]
+BIG_M = [1, 8, 64, 256]     # compiling is the slow part: the big shapes skip M = 3
+
+
+def _cases():
+    for k, n, epi in TINY_SHAPES:
+        for m in ALL_M:
+            yield m, k, n, epi
+    for k, n, epi in BIG_SHAPES:
+        for m in BIG_M:
+            yield m, k, n, epi
+    # Two consumer warpgroups with a padded second half; N not a multiple of 128.
+    yield 200, 1024, 5632, "silu_mul"
+    yield 129, 1024, 1024, None
+    yield 5, 128, 192, None
+
+
+def _inputs(m: int, k: int, n: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device="cuda", dtype=torch.float32) / k**0.5).to(torch.bfloat16)
+    return x, w
+
+
+def _reference(x, w, epilogue):
+    y = x.float() @ w.float().T
+    if epilogue == "silu_mul":
+        i = y.shape[1] // 2
+        gate, up = y[:, :i], y[:, i:]
+        y = torch.nn.functional.silu(gate) * up
+    return y
+
+
+def _out(m: int, n: int, epilogue):
+    n_out = n // 2 if epilogue == "silu_mul" else n
+    return torch.full((m, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+
+def _check_close(out, ref, what=""):
+    assert not torch.isnan(out).any(), f"NaN in the output {what}"
+    err = (out.float() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {err:.3e} {what}"
+    return err
+
+
+@pytest.mark.parametrize("m, k, n, epilogue", list(_cases()))
+def test_matches_fp32_reference(m, k, n, epilogue):
+    x, w = _inputs(m, k, n)
+    ref = _reference(x, w, epilogue)
+    for use_pdl in (False, True):
+        out = _out(m, n, epilogue)               # poisoned before every run
+        gemm.linear(x, w, out, epilogue=epilogue, use_pdl=use_pdl)
+        torch.cuda.synchronize()
+        _check_close(out, ref, f"(M={m}, K={k}, N={n}, {epilogue}, use_pdl={use_pdl})")
+    # Most elements agree exactly with bf16(fp32 reference) (DESIGN §6): the sums differ only
+    # in order, so a mismatch is at most one bf16 ulp.
+    exact = (out == ref.to(torch.bfloat16)).float().mean().item()
+    assert exact > 0.9, f"only {exact:.1%} of the elements equal bf16(reference)"
+
+
+@pytest.mark.parametrize("m, k, n, epilogue, tuning", [
+    (1, 7168, 36864, "silu_mul", dict(block_k=128)),
+    (64, 18432, 7168, None, dict(block_k=128)),
+    (256, 1024, 5632, "silu_mul", dict(block_k=128)),
+    (3, 2816, 1024, None, dict(block_k=128)),
+    (64, 18432, 7168, None, dict(row_wgs=2)),           # 256-row tiles on a 28-tile problem
+    (5, 1024, 5632, "silu_mul", dict(row_wgs=2)),
+    (32, 1024, 36864, None, dict()),                   # row_wgs = 2 by default, plain
+    (64, 7168, 36864, "silu_mul", dict(row_wgs=1, block_k=128)),
+])
+def test_tuning_variants_match_reference(m, k, n, epilogue, tuning):
+    """The benchmark's variants: K = 128 per stage (two TMA boxes per half), 256-row tiles on
+    two row warpgroups, and their opposites."""
+    x, w = _inputs(m, k, n)
+    out = _out(m, n, epilogue)
+    gemm.linear(x, w, out, epilogue=epilogue, **tuning)
+    torch.cuda.synchronize()
+    _check_close(out, _reference(x, w, epilogue), f"({tuning}, M={m}, K={k}, N={n})")
+
+
+def test_fresh_inputs_each_call():
+    """Back-to-back calls with new data: no state (counters, partials) leaks between launches."""
+    m, k, n = 8, 7168, 10240
+    for seed in range(4):
+        x, w = _inputs(m, k, n, seed)
+        out = _out(m, n, None)
+        gemm.linear(x, w, out)
+        torch.cuda.synchronize()
+        _check_close(out, _reference(x, w, None), f"(seed {seed})")
+
+
+def test_explicit_stream():
+    m, k, n = 8, 1024, 5632
+    x, w = _inputs(m, k, n)
+    out = _out(m, n, "silu_mul")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())      # x, w, out were made on this one
+    gemm.linear(x, w, out, epilogue="silu_mul", stream=side)
+    side.synchronize()
+    _check_close(out, _reference(x, w, "silu_mul"))
+
+
+def _capture(fn, warmup: bool = True):
+    """A CUDA graph of ``fn`` (warmed up once on a side stream, as torch recommends)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    if warmup:
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+@pytest.mark.parametrize("m, k, n, epilogue", [
+    (8, 18432, 7168, None),        # every tile split over ~2-4 CTAs
+    (64, 7168, 36864, "silu_mul"),
+    (1, 1024, 1024, None),
+    (256, 8192, 7168, None),
+])
+def test_graph_replay_is_bitwise_deterministic(m, k, n, epilogue):
+    x, w = _inputs(m, k, n)
+    out = _out(m, n, epilogue)
+
+    def step():
+        out.fill_(float("nan"))
+        gemm.linear(x, w, out, epilogue=epilogue, use_pdl=True)
+
+    graph = _capture(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    first = out.clone()
+    _check_close(first, _reference(x, w, epilogue))
+    for i in range(100):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16)), f"replay {i} differs"
+
+
+def test_graph_chain_of_gemms():
+    """Several GEMMs of one configuration back to back in a graph with PDL edges: they share
+    the workspace and counters, so this checks that PDL ordering keeps them apart."""
+    m, k, n = 8, 8192, 7168
+    xs = [_inputs(m, k, n, seed)[0] for seed in range(3)]
+    _, w = _inputs(m, k, n, 7)
+    outs = [_out(m, n, None) for _ in xs]
+
+    def step():
+        for x, out in zip(xs, outs):
+            gemm.linear(x, w, out, use_pdl=True)
+
+    graph = _capture(step)
+    for _ in range(10):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, out in zip(xs, outs):
+            _check_close(out, _reference(x, w, None))
+
+
+# ------------------------------------------------------------------------------------------------
+# PDL race: the GEMM overlaps a slow kernel that writes x.
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m, k, n, epilogue", [
+    (8, 7168, 10240, None),
+    (64, 1024, 5632, "silu_mul"),   # small: all its weights are requested before the wait
+])
+def test_pdl_race_with_slow_producer(m, k, n, epilogue):
+    import pdl_producer   # tests/pdl_producer.py: triggers at entry, spins, then writes dst
+
+    x_src, w = _inputs(m, k, n)
+    x = torch.empty_like(x_src)
+    out = _out(m, n, epilogue)
+
+    # The non-overlapped answer: everything serialised, no PDL.
+    x.copy_(x_src)
+    gemm.linear(x, w, out, epilogue=epilogue, use_pdl=False)
+    torch.cuda.synchronize()
+    expected = out.clone()
+    _check_close(expected, _reference(x_src, w, epilogue))
+
+    def step():
+        x.fill_(float("nan"))                                    # poison x
+        out.fill_(float("nan"))
+        pdl_producer.slow_copy(x_src, x, 20_000)                 # spins ~20 us, then writes x
+        gemm.linear(x, w, out, epilogue=epilogue, use_pdl=True)  # PDL edge from the slow copy
+
+    graph = _capture(step)
+    for i in range(200):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), (
+            f"replay {i}: the GEMM read x before its producer finished")
+
+
+def test_capture_without_warmup_is_refused():
+    """The first call of a configuration allocates its workspace, which must not happen
+    inside a capture: it says so instead of capturing an allocation."""
+    m, k, n = 24, 1024, 1536      # a configuration no other test uses
+    x, w = _inputs(m, k, n)
+    out = _out(m, n, None)
+    gemm.compile_linear(m, k, n, ctas=torch.cuda.get_device_properties(0).multi_processor_count)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="outside the graph|warm-up"):
+        with torch.cuda.graph(graph):
+            gemm.linear(x, w, out)
+    torch.cuda.synchronize()
