@@ -85,7 +85,6 @@ def capture_one(plan: Plan, batch: int, pool, edge_override=None) -> CapturedGra
     from . import graph_edges
 
     torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
     t0 = time.perf_counter()
     g = torch.cuda.CUDAGraph(keep_graph=True)
     stream = torch.cuda.Stream()
@@ -98,6 +97,8 @@ def capture_one(plan: Plan, batch: int, pool, edge_override=None) -> CapturedGra
         seen.update(nodes)
 
     with torch.cuda.graph(g, pool=pool, stream=stream):
+        # Entering the capture empties the allocator's cache: measure from here.
+        reserved = torch.cuda.memory_reserved()
         current = torch.cuda.current_stream()
         launch_all(plan, batch, current, after_each=record, edge_override=edge_override)
     edges = graph_edges.read_edges(g.raw_cuda_graph())

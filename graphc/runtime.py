@@ -149,31 +149,30 @@ class DecodeStep:
                        "schedule_pdl_edges": len(self.schedule.pdl_edges())}
                 for size, g in sorted(self.graphs.items())}
 
-    def profile(self, batch: int, path: str | os.PathLike | None = None, repeats: int = 20) -> dict:
+    def profile(self, batch: int, path: str | os.PathLike | None = None, replays: int = 20) -> dict:
         """Per-kernel durations at one batch size, in the JSON the HTML timeline displays.
 
-        Kernels are timed one by one with CUDA events outside the graph (each launch after the
-        previous has finished), so these are isolated durations: in the graph PDL overlaps
-        neighbours, and the sum here is an upper bound of the replay time.
+        Each kernel of the schedule is captured alone in its own CUDA graph and replayed
+        (median of ``replays``), so a duration is GPU time without launch gaps and without
+        the overlap PDL gives it next to its neighbours in the real step.
         """
         if self.device.type != "cuda":
             raise GraphcError("profile needs a CUDA device")
+        from .bench import time_replays
+
         size = self.padded_size(batch)
-        kernels, bindings = self.schedule.kernels, self.plan.bindings(size)
-        times = [[] for _ in kernels]
-        stream = torch.cuda.current_stream()
-        for _ in range(repeats):
-            for k, b in zip(kernels, bindings):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                k.op.implementations[k.impl].launch(k.op, b.tensors, b.weights, stream, False)
-                end.record()
-                end.synchronize()
-                times[k.index].append(start.elapsed_time(end) * 1e3)
-        rows = [{"node": k.node, "kind": k.op.kind, "duration_us": sorted(t)[len(t) // 2]}
-                for k, t in zip(kernels, times)]
-        result = {"gpu": torch.cuda.get_device_name(), "batch": size, "method": "isolated events",
-                  "kernels": rows}
+        rows = []
+        side = torch.cuda.Stream()
+        for k, b in zip(self.schedule.kernels, self.plan.bindings(size)):
+            launch = k.op.implementations[k.impl].launch
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=side):
+                launch(k.op, b.tensors, b.weights, torch.cuda.current_stream(), False)
+            rows.append({"node": k.node, "kind": k.op.kind,
+                         "duration_us": time_replays(g.replay, 2, replays) * 1e6})
+            del g
+        result = {"gpu": torch.cuda.get_device_name(), "batch": size,
+                  "method": "each kernel alone in its own CUDA graph", "kernels": rows}
         if path is not None:
             Path(path).write_text(json.dumps(result, indent=1))
         return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -14,12 +15,26 @@ def _launch_reference(op, t, w, stream, use_pdl):
     op.reference(t, w)
 
 
+def _launch_triton_silu_mul(op, t, w, stream, use_pdl):
+    from graphc.kernels.silu_mul import silu_mul
+
+    silu_mul(t["x"], t["out"])
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 @dataclass(eq=False)
 class SiluMulOp(Op):
     """out = bf16(silu(gate) * up) over the two halves of the fused gate_up projection."""
 
     kind = "silu_mul"
-    implementations = {"torch": Implementation("torch", LIBRARY_KERNEL, _launch_reference)}
+    implementations = {
+        "triton": Implementation("triton", LIBRARY_KERNEL, _launch_triton_silu_mul,
+                                 available=_triton_available),
+        "torch": Implementation("torch", LIBRARY_KERNEL, _launch_reference),
+    }
     intermediate: int = 0
 
     def params(self):
