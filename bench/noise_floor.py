@@ -13,7 +13,7 @@ import torch
 
 import graphc
 from graphc.plan import Plan
-from graphc.reference import run_kernels
+from graphc.capture import launch_all
 from graphc.schedule import build_schedule
 
 TORCH = {"attn_res": "torch", "decode_attention": "torch", "silu_mul": "torch", "linear": "cublas"}
@@ -23,9 +23,15 @@ p.add_argument("--spec", default="layer_specs/kimi_k3_dense_8l.yaml")
 p.add_argument("--batch", type=int, default=5)
 a = p.parse_args()
 step = graphc.build(a.spec, [a.batch], progress=None)
-variants = {name: Plan(build_schedule(step.schedule.graph, TORCH | swap), a.batch, step.plan.weights, "cuda")
-            for name, swap in [("reference", {}), ("triton attention", {"decode_attention": "triton"}),
-                               ("cute attn_res", {"attn_res": "cute"}), ("triton silu_mul", {"silu_mul": "triton"})]}
+variants = {name: Plan(build_schedule(step.schedule.graph, TORCH | swap, use_pdl), a.batch,
+                       step.plan.weights, "cuda")
+            for name, swap, use_pdl in [
+                ("reference", {}, True), ("triton attention", {"decode_attention": "triton"}, True),
+                ("cute attn_res", {"attn_res": "cute"}, True), ("cute attn_res no-PDL", {"attn_res": "cute"}, False),
+                ("triton silu_mul", {"silu_mul": "triton"}, True),
+                ("all graphc kernels eager", {"decode_attention": "triton", "attn_res": "cute", "silu_mul": "triton"}, True)]}
+for plan in variants.values():      # compile/warm up outside timing, as capture does
+    launch_all(plan, a.batch, torch.cuda.current_stream())
 gen = torch.Generator().manual_seed(0)
 start = torch.randint(0, 40, (a.batch,), generator=gen, dtype=torch.int32).cuda()
 for s in range(4):
@@ -33,9 +39,10 @@ for s in range(4):
     out = {}
     for name, plan in variants.items():
         plan.write_inputs(a.batch, tokens, start + s, torch.arange(a.batch, dtype=torch.int32).cuda())
-        out[name] = run_kernels(plan, a.batch).float().clone()
+        launch_all(plan, a.batch, torch.cuda.current_stream())
+        out[name] = plan.output(a.batch).float().clone()
     out["graphc step"] = step(tokens, start + s).float().clone()
     ref = out["reference"]
-    print(f"step {s}: " + ", ".join(
+    print(f"step {s}:\n  " + "\n  ".join(
         f"{n} {((o - ref).norm() / ref.norm()).item():.2e}/{(o.argmax(-1) == ref.argmax(-1)).float().mean().item():.2f}"
         for n, o in out.items() if n != "reference"))

@@ -94,12 +94,13 @@ def _combine(m_ws, l_ws, acc_ws, out, stride_out, H: tl.constexpr, HD: tl.conste
 
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
-                     head_dim: int) -> None:
+                     head_dim: int, chunk: int = CHUNK, block_n: int = BLOCK_N, num_warps: int = 4,
+                     num_stages: int = 2) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention."""
     T, C = qkv.shape[0], kv.shape[1]
     G = heads // kv_heads
-    nsplit = math.ceil(C / CHUNK)
+    nsplit = math.ceil(C / chunk)
     key = (qkv.device, T, heads, nsplit, head_dim)
     if key not in _workspaces:
         _workspaces[key] = (torch.empty(T * heads * nsplit, device=qkv.device),
@@ -110,6 +111,6 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
         qkv, kv, seq_lens, cache_slots, m_ws, l_ws, acc_ws, qkv.stride(0), kv.stride(0),
         kv.stride(1), kv.stride(2), kv.stride(3), 1.0 / math.sqrt(head_dim),
         H=heads, KV=kv_heads, G=G, GP=max(16, triton.next_power_of_2(G)), HD=head_dim,
-        CHUNK=CHUNK, BLOCK_N=BLOCK_N, NSPLIT=nsplit, num_warps=4)
+        CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, num_warps=num_warps, num_stages=num_stages)
     _combine[(T, heads)](m_ws, l_ws, acc_ws, out, out.stride(0), H=heads, HD=head_dim,
                          NSPLIT=nsplit, NP=triton.next_power_of_2(nsplit), num_warps=4)
