@@ -84,7 +84,7 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
     if compare:
         for r in rows:
             b = r["batch"]
-            prof = step.profile(b)
+            prof = step.profile(b, context=context)
             total = sum(k["duration_us"] for k in prof["kernels"])
             attn_res = sum(k["duration_us"] for k in prof["kernels"] if k["kind"] == "attn_res")
             r["attn_res_share"] = attn_res / total

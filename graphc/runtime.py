@@ -149,30 +149,37 @@ class DecodeStep:
                        "schedule_pdl_edges": len(self.schedule.pdl_edges())}
                 for size, g in sorted(self.graphs.items())}
 
-    def profile(self, batch: int, path: str | os.PathLike | None = None, replays: int = 20) -> dict:
+    def profile(self, batch: int, path: str | os.PathLike | None = None,
+                context: int | None = None, replays: int = 20, repeat: int = 10) -> dict:
         """Per-kernel durations at one batch size, in the JSON the HTML timeline displays.
 
-        Each kernel of the schedule is captured alone in its own CUDA graph and replayed
-        (median of ``replays``), so a duration is GPU time without launch gaps and without
-        the overlap PDL gives it next to its neighbours in the real step.
+        Each kernel of the schedule is captured alone, ``repeat`` times back to back, in its
+        own CUDA graph and replayed (median of ``replays``): GPU time without launch gaps and
+        without the overlap PDL gives it next to its neighbours in the real step. Rows attend
+        over ``context`` tokens (default min(1024, max_context)) in slots 0..batch-1, whose KV
+        entries at that position are overwritten: profile before serving, or ``reset()``.
         """
         if self.device.type != "cuda":
             raise GraphcError("profile needs a CUDA device")
         from .bench import time_replays
 
         size = self.padded_size(batch)
+        ctx = min(context or 1024, self.spec.model.max_context)
+        self.plan.view("seq_lens", size).fill_(ctx - 1)
+        self.plan.view("cache_slots", size).copy_(torch.arange(size, device=self.device))
         rows = []
         side = torch.cuda.Stream()
         for k, b in zip(self.schedule.kernels, self.plan.bindings(size)):
             launch = k.op.implementations[k.impl].launch
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=side):
-                launch(k.op, b.tensors, b.weights, torch.cuda.current_stream(), False)
+                for _ in range(repeat):
+                    launch(k.op, b.tensors, b.weights, torch.cuda.current_stream(), False)
             rows.append({"node": k.node, "kind": k.op.kind,
-                         "duration_us": time_replays(g.replay, 2, replays) * 1e6})
+                         "duration_us": time_replays(g.replay, 2, replays) * 1e6 / repeat})
             del g
-        result = {"gpu": torch.cuda.get_device_name(), "batch": size,
-                  "method": "each kernel alone in its own CUDA graph", "kernels": rows}
+        result = {"gpu": torch.cuda.get_device_name(), "batch": size, "context": ctx,
+                  "method": f"each kernel alone, {repeat}x in its own CUDA graph", "kernels": rows}
         if path is not None:
             Path(path).write_text(json.dumps(result, indent=1))
         return result
