@@ -5,7 +5,7 @@ CuTe DSL because attention is not where graphc's gains are; what matters here is
 cost follows the real context length instead of the cache's ``max_context``.
 
 Pass 1, grid (rows, kv heads, splits): each program takes one KV head's query group over
-``CHUNK`` cached positions with an online softmax and writes (max, sum, acc) partials; split 0
+``chunk`` cached positions with an online softmax and writes (max, sum, acc) partials; split 0
 also folds in the new token (straight from qkv) and appends its K/V at position seq_len, a
 position no other program reads. Pass 2, grid (rows, heads): combines the splits.
 """
@@ -18,8 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 128
-BLOCK_N = 64
+BLOCK_N = 32
+NUM_STAGES = 3
+
+
+def default_chunk(rows: int) -> int:
+    """Cached positions per program. Measured on an H200 (bench/decode_attention.py, context
+    1024): 64 is best for 1-4 rows (more programs in flight), 256 from 8 rows up."""
+    return 64 if rows <= 4 else 256
 _workspaces: dict = {}
 
 
@@ -94,11 +100,12 @@ def _combine(m_ws, l_ws, acc_ws, out, stride_out, H: tl.constexpr, HD: tl.conste
 
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
-                     head_dim: int, chunk: int = CHUNK, block_n: int = BLOCK_N, num_warps: int = 4,
-                     num_stages: int = 2) -> None:
+                     head_dim: int, chunk: int | None = None, block_n: int = BLOCK_N,
+                     num_warps: int = 4, num_stages: int = NUM_STAGES) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention."""
     T, C = qkv.shape[0], kv.shape[1]
+    chunk = chunk or default_chunk(T)
     G = heads // kv_heads
     nsplit = math.ceil(C / chunk)
     key = (qkv.device, T, heads, nsplit, head_dim)
