@@ -49,12 +49,7 @@ def launch_all(plan: Plan, batch: int, stream: torch.cuda.Stream,
 
 def prepare(plan: Plan, batch_sizes, progress: Callable[[str], None] = lambda s: None) -> None:
     """Compile every kernel and run each batch size once, outside any capture."""
-    kernels = plan.schedule.kernels
     t0 = time.perf_counter()
-    for k, b in zip(kernels, plan.bindings(max(batch_sizes))):
-        impl = k.op.implementations[k.impl]
-        if impl.prepare is not None:
-            impl.prepare(k.op, b.tensors, b.weights)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -176,7 +176,7 @@ def cmd_viz(args) -> int:
 
     _, _, schedule = _front(args.spec)
     profile = json.loads(Path(args.profile).read_text()) if args.profile else None
-    write_viz(schedule, args.out, profile=profile) if profile else write_viz(schedule, args.out)
+    write_viz(schedule, args.out, profile=profile)
     _say(f"wrote {args.out}")
     return 0
 

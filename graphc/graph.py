@@ -134,7 +134,7 @@ def _to_networkx(spec: Spec, b: _Builder) -> nx.DiGraph:
     producer: dict[str, str] = {}
     readers: dict[str, list[str]] = {}
     for order, op in enumerate(b.ops):
-        layer = int(op.name[1:3]) if op.name.startswith("L") else None
+        layer = int(op.name.split(".")[0][1:]) if op.name.startswith("L") else None
         g.add_node(op.name, op=op, kind=op.kind, order=order, layer=layer)
         for value in op.reads.values():
             if value.name in producer:

@@ -45,7 +45,6 @@ class DecodeStep:
         self.graphs = graphs or {}
         self.device = plan.device
         self.fingerprint = self.spec.fingerprint()
-        self.weights_generation = plan.weights.generation
 
     # --- the call ---------------------------------------------------------------------------
     def padded_size(self, batch: int) -> int:
@@ -75,7 +74,6 @@ class DecodeStep:
             plan.view("seq_lens", size)[b:].zero_()
             plan.view("cache_slots", size)[b:].fill_(plan.scratch_slot)
         if size in self.graphs:
-            self._check_not_stale()
             self.graphs[size].replay()
         else:
             run_kernels(plan, size)
@@ -119,10 +117,6 @@ class DecodeStep:
                     raise GraphcError("cache_slots must be distinct: two rows would write one sequence")
         return b
 
-    def _check_not_stale(self) -> None:
-        if self.plan.weights.generation != self.weights_generation:
-            raise GraphcError("the weights were replaced after capture; rebuild the step")
-
     # --- state ------------------------------------------------------------------------------
     def reset(self, cache_slots: Sequence[int] | None = None) -> None:
         """Start new sequences: clear the KV cache of the given slots (default: all)."""
@@ -135,7 +129,8 @@ class DecodeStep:
                     cache[torch.as_tensor(list(cache_slots), device=cache.device)] = 0
 
     def load_weights(self, path: str | os.PathLike) -> None:
-        """Reload weights in place: the captured graphs read the new values (same memory)."""
+        """Reload weights in place: the captured graphs read the same memory, so the next
+        replay uses the new values and no graph is stale. (A spec change needs a new build.)"""
         new = Weights.load(path, weight_shapes(self.schedule.graph), self.device)
         with torch.no_grad():
             for name, t in new.tensors.items():

@@ -20,14 +20,9 @@ from .errors import GraphcError
 class Weights:
     """Every weight of one model, bf16, on one device. Read-only during a step."""
 
-    _next_generation = 0
-
     def __init__(self, tensors: dict[str, torch.Tensor], origin: str):
         self.tensors = tensors
         self.origin = origin
-        # A new identity for every set of weights: a captured graph records which one it baked in.
-        Weights._next_generation += 1
-        self.generation = Weights._next_generation
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -82,14 +82,13 @@ LIBRARY_KERNEL = PdlTraits(waits=False, trigger="exit")
 class Implementation:
     """One way to run an op on the GPU: its PDL traits and how to launch it.
 
-    ``launch(op, tensors, weights, stream, use_pdl)`` enqueues the work on ``stream``;
-    ``prepare(op, tensors, weights)`` compiles/warms up outside capture (optional).
+    ``launch(op, tensors, weights, stream, use_pdl)`` enqueues the work on ``stream``; its
+    first call (compilation, workspace allocation) happens in the warm-up, outside capture.
     """
 
     name: str
     traits: PdlTraits
     launch: Callable
-    prepare: Callable | None = None
     available: Callable[[], bool] = lambda: True
 
 
@@ -144,6 +143,3 @@ class Op:
                 return name
         raise RuntimeError(f"no implementation of {self.kind} is available")
 
-
-def row_tokens(sizes: Mapping[str, int]) -> int:
-    return sizes["T"]
