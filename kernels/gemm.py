@@ -222,10 +222,21 @@ class DecodeGemmKernel:
     ):
         cfg = self.cfg
         gmem = cute.AddressSpace.gmem
-        # Row-major (K contiguous) global tensors with static shapes.
+        # Row-major (K contiguous) global tensors. x's row count is a *dynamic* value (the
+        # same number, not known to the layout algebra) for every M: with a static M = 1,
+        # CuTe DSL 4.8.1 drops the size-1 batch mode from the TMA coordinate tensor
+        # ((1,K):(0,1@0)) and emits cp.async.bulk.tensor.1d (SASS UTMALDG.1D) against the
+        # rank-2 tensor map it encodes (dims K x 1, box 64 x mma_n): the rank mismatch is an
+        # illegal instruction on the GPU (H200, 2026-11-30). A dynamic row count keeps the
+        # batch mode, so every M in 1..256 issues the same 2-D x loads as M = 8 (the tensor
+        # map's dims and box are unchanged: K x M, box block_k x mma_n). Box rows >= M are
+        # out of bounds of the map, so TMA zero-fills them (nothing is read past x), and the
+        # epilogue masks batch rows >= M. tests/test_gemm_compile.py checks every TMA load is
+        # .2d with two coordinates and that M = 1..7 have M = 8's instruction skeleton.
+        x_rows = Int32(cfg.m)
         mX = cute.make_tensor(
             cute.make_ptr(BFloat16, x_addr, gmem, assumed_align=16),
-            cute.make_layout((cfg.m, cfg.k), stride=(cfg.k, 1)),
+            cute.make_layout((x_rows, cfg.k), stride=(cfg.k, 1)),
         )
         mW = cute.make_tensor(
             cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16),
@@ -233,7 +244,9 @@ class DecodeGemmKernel:
         )
         mY = cute.make_tensor(
             cute.make_ptr(BFloat16, y_addr, gmem, assumed_align=16),
-            cute.make_layout((cfg.m, cfg.n_out), stride=(cfg.n_out, 1)),
+            # Dynamic row count too: no static size-1 batch mode anywhere (the epilogue's mask
+            # `m < cfg.m` is what keeps stores in bounds).
+            cute.make_layout((x_rows, cfg.n_out), stride=(cfg.n_out, 1)),
         )
         mWs = cute.make_tensor(
             cute.make_ptr(Float32, ws_addr, gmem, assumed_align=16),

@@ -1,7 +1,7 @@
 """Decode GEMM (kernels/gemm.py) on the CPU: validation, the stream-K bookkeeping, and
 compile-only checks of the PTX (CUTE_DSL_ARCH=sm_90a, set by conftest.py before cutlass loads).
 
-Compiles ~35 configurations (about 1-8 s each; ~75 s in all on 2 cores); the PTX is shared through a module cache.
+Compiles ~39 configurations (about 1-8 s each; ~75 s in all on 2 cores); the PTX is shared through a module cache.
 """
 
 from __future__ import annotations
@@ -158,11 +158,48 @@ def test_config_choices():
 # ------------------------------------------------------------------------------------------------
 # Compile-only: the PTX has the structure DESIGN §3-§4 asks for.
 # ------------------------------------------------------------------------------------------------
+_TMA_LOAD = re.compile(r"cp\.async\.bulk\.tensor\.(\w+)\.[^\[]*\[[^\]]*\],\s*\[[^,\]]+,\s*\{([^}]*)\}\]")
+
+
+def _tma_loads(ptx: str) -> list[tuple[str, list[str]]]:
+    """(dimensionality, coordinate operands) of every cp.async.bulk.tensor load in the PTX."""
+    loads = []
+    for line in ptx.splitlines():
+        if "cp.async.bulk.tensor" in line:
+            mt = _TMA_LOAD.search(line)
+            assert mt, f"unparsed TMA line: {line}"
+            loads.append((mt.group(1), [c.strip() for c in mt.group(2).split(",")]))
+    return loads
+
+
+def _sync_skeleton(ptx: str) -> list[str]:
+    """The kernel's TMA / wgmma / barrier / PDL / warp-collective instructions in program
+    order, operands and registers stripped: what must not depend on M within one mma_n."""
+    keep = ("cp.async.bulk", "wgmma.", "mbarrier.", "griddepcontrol.", "bar.sync", "barrier.",
+            "elect.sync", "fence.", "setmaxnreg", "prefetch.tensormap", "trap", "brkpt")
+    out = []
+    for line in ptx.splitlines():
+        op = line.strip().split(" ")[0].split("\t")[0]
+        if op.startswith("@"):          # predicated: take the opcode after the guard
+            parts = line.strip().split()
+            op = parts[1] if len(parts) > 1 else op
+        if any(op.startswith(k) for k in keep):
+            out.append(op)
+    return out
+
+
 def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     assert ".target sm_90a" in ptx
     assert "griddepcontrol.launch_dependents" in ptx
     assert "griddepcontrol.wait" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier::complete_tx::bytes" in ptx
+    # Both tensor maps (W and x) are rank 2, so every TMA load must be .2d with two
+    # coordinates. With a static M = 1 CuTe DSL dropped x's batch mode and emitted a .1d load
+    # against the rank-2 x map: an illegal instruction on the GPU (UTMALDG.1D, H200 2026-11-30).
+    tma = _tma_loads(ptx)
+    assert tma, "no TMA load"
+    for dim, coords in tma:
+        assert dim == "2d" and len(coords) == 2, f"TMA load .{dim} with coordinates {coords}"
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.mma_n}k16.f32.bf16.bf16" in ptx
     # Split-K reduction: arrival counter, release/acquire publication, L2-only partial loads.
     assert "atom.global" in ptx and "atom.global.release" in ptx
@@ -207,6 +244,40 @@ def test_ptx_other_shapes(m, k, n, epilogue):
     _check_ptx(ptx_of(m, k, n, epilogue), cfg)
     if (m, n) in ((64, 36864), (32, 36864)):
         assert cfg.row_wgs == 2
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 7])
+def test_small_m_same_code_path_as_m8(m):
+    """M = 1..7 pad to mma_n = 8 and must run M = 8's (GPU-verified) code path: the same
+    TMA loads (2-D, two coordinates: x's batch mode is not dropped for a size-1 M), wgmma,
+    barriers and PDL instructions in the same order; only the epilogue's row mask differs.
+    M = 1 used to emit cp.async.bulk.tensor.1d for x (illegal instruction on an H200)."""
+    k, n = 1024, 1024
+    assert GemmConfig(m, k, n).mma_n == GemmConfig(8, k, n).mma_n == 8
+    ptx, ref = ptx_of(m, k, n, None), ptx_of(8, k, n, None)
+    _check_ptx(ptx, GemmConfig(m, k, n))
+    assert [(d, len(c)) for d, c in _tma_loads(ptx)] == [(d, len(c)) for d, c in _tma_loads(ref)]
+    assert _sync_skeleton(ptx) == _sync_skeleton(ref)
+    for bad in ("trap;", "brkpt;", "cp.async.bulk.tensor.1d"):
+        assert bad not in ptx
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None or shutil.which("cuobjdump") is None
+                    or shutil.which("nvdisasm") is None,
+                    reason="needs ptxas, cuobjdump and nvdisasm (CUDA toolkit)")
+def test_sass_m1_tma_loads_are_2d(tmp_path):
+    """The SASS of M = 1 (where the GPU reported the illegal instruction at +0xa40, a
+    UTMALDG.1D): every TMA load is UTMALDG.2D, as for M = 8."""
+    for m in (1, 8):
+        src = tmp_path / f"m{m}.ptx"
+        src.write_text(ptx_of(m, 1024, 1024, None))
+        cubin = tmp_path / f"m{m}.cubin"
+        subprocess.run(["ptxas", "-arch=sm_90a", str(src), "-o", str(cubin)], check=True,
+                       capture_output=True)
+        sass = subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], check=True,
+                              capture_output=True, text=True).stdout
+        loads = re.findall(r"UTMALDG\.(\w+)", sass)
+        assert loads and set(loads) == {"2D"}, (m, loads)
 
 
 @pytest.mark.parametrize("m, k, n, epilogue", [(8, 7168, 10240, None), (64, 1024, 5632, "silu_mul")])
