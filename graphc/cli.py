@@ -174,8 +174,9 @@ def cmd_inspect(args) -> int:
 def cmd_viz(args) -> int:
     from .viz import write_viz
 
-    _, _, schedule = _front(args.spec)
     profile = json.loads(Path(args.profile).read_text()) if args.profile else None
+    # Draw the schedule that was measured: the profile names the implementations it ran.
+    _, _, schedule = _front(args.spec, (profile or {}).get("implementations"))
     write_viz(schedule, args.out, profile=profile)
     _say(f"wrote {args.out}")
     return 0

@@ -174,7 +174,8 @@ class DecodeStep:
                          "duration_us": time_replays(g.replay, 2, replays) * 1e6 / repeat})
             del g
         result = {"gpu": torch.cuda.get_device_name(), "batch": size, "context": ctx,
-                  "method": f"each kernel alone, {repeat}x in its own CUDA graph", "kernels": rows}
+                  "method": f"each kernel alone, {repeat}x in its own CUDA graph",
+                  "implementations": self.schedule.implementations(), "kernels": rows}
         if path is not None:
             Path(path).write_text(json.dumps(result, indent=1))
         return result
