@@ -102,22 +102,21 @@ def build_graph(spec: Spec) -> nx.DiGraph:
         # the embedding) into its slot.
         h = residual(f"{p}.{res_name}.attn", incoming, nb=nb_before, has_delta=l > 0,
                      write=l // S if start else -1)
-        q_width = at.heads * at.head_dim
-        qkv = linear(f"{p}.attn.qkv", h, D, q_width + 2 * at.kv_heads * at.head_dim)
+        qkv = linear(f"{p}.attn.qkv", h, D, at.qkv_dim)
         kv = b.buffer(f"{p}.kv", ("slots", m.max_context, 2, at.kv_heads, at.head_dim), kind="state")
         attn = b.add(DecodeAttentionOp(
             f"{p}.attn.attention",
             reads={"qkv": qkv, "kv": b.current[kv.name], "seq_lens": Value(seq_lens),
                    "cache_slots": Value(cache_slots)},
-            writes={"out": b.activation(f"{p}.attn.attention", q_width), "kv": b.bump(kv.name)},
+            writes={"out": b.activation(f"{p}.attn.attention", at.q_dim), "kv": b.bump(kv.name)},
             heads=at.heads, kv_heads=at.kv_heads, head_dim=at.head_dim, max_context=m.max_context,
         )).writes["out"]
-        a = linear(f"{p}.attn.o_proj", attn, q_width, D)
+        a = linear(f"{p}.attn.o_proj", attn, at.q_dim, D)
 
         # AttnRes before the MLP: at a block start the attention output opens the new block.
         h = residual(f"{p}.{res_name}.mlp", a, nb=nb_before + int(start), has_delta=not start,
                      write=-1)
-        gate_up = linear(f"{p}.mlp.gate_up", h, D, 2 * mlp.intermediate)
+        gate_up = linear(f"{p}.mlp.gate_up", h, D, mlp.gate_up_dim)
         act = b.add(SiluMulOp(f"{p}.mlp.silu_mul", reads={"x": gate_up},
                               writes={"out": b.activation(f"{p}.mlp.silu_mul", mlp.intermediate)},
                               intermediate=mlp.intermediate)).writes["out"]

@@ -15,20 +15,7 @@ import pytest
 from graphc.kernels import gemm
 from graphc.kernels.gemm import EVICT_FIRST, GemmConfig, check_shape, linear_ptx
 
-# (K, N, epilogue): Kimi K3 (hidden 7168) and tiny.yaml (hidden 1024, intermediate 2816).
-BIG_SHAPES = [
-    (7168, 36864, "silu_mul"),   # gate_up
-    (18432, 7168, None),         # down
-    (7168, 10240, None),         # qkv
-    (8192, 7168, None),          # o_proj
-]
-TINY_SHAPES = [
-    (1024, 1536, None),
-    (1024, 5632, "silu_mul"),
-    (2816, 1024, None),
-    (1024, 1024, None),
-]
-SPEC_SHAPES = BIG_SHAPES + TINY_SHAPES
+from gemm_shapes import SPEC_SHAPES  # noqa: E402
 
 # Long unrolled epilogue loops (M = 256) make CuTe DSL suggest unroll_full; compile time is fine.
 pytestmark = pytest.mark.filterwarnings("ignore:This static loop has")

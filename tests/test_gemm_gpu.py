@@ -24,18 +24,8 @@ except ImportError:
     _HANG_GUARD = []
 pytestmark = [pytest.mark.gpu, *_HANG_GUARD]
 
-BIG_SHAPES = [
-    (7168, 36864, "silu_mul"),   # gate_up
-    (18432, 7168, None),         # down
-    (7168, 10240, None),         # qkv
-    (8192, 7168, None),          # o_proj
-]
-TINY_SHAPES = [
-    (1024, 1536, None),
-    (1024, 5632, "silu_mul"),
-    (2816, 1024, None),
-    (1024, 1024, None),
-]
+from gemm_shapes import BIG_SHAPES, TINY_SHAPES  # noqa: E402
+
 ALL_M = [1, 3, 8, 64, 256]
 BIG_M = [1, 8, 64, 256]     # compiling is the slow part: the big shapes skip M = 3
 
