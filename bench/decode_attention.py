@@ -1,6 +1,10 @@
 """Time the Triton split-KV decode attention against its HBM floor for a few tilings.
 
     python3 bench/decode_attention.py        # Kimi K3 attention: 64 heads, 8 KV heads, dim 128
+
+``pv`` is the p @ V product: ``fp32`` exact FMAs, ``bf16`` tensor cores with p rounded to
+bf16. Every configuration is checked against the torch reference (``err``: max abs error of
+the output) before it is timed.
 """
 import itertools
 import math
@@ -9,9 +13,14 @@ import torch
 
 from graphc.bench import time_replays
 from graphc.kernels.decode_attention import decode_attention
+from graphc.ops.attention import DecodeAttentionOp
 
 H, KV, HD, C = 64, 8, 128, 2048
-print(f"{'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'us':>8} {'floor us':>9} {'ratio':>6}")
+CONFIGS = [(64, 32, 4, 3, False), (256, 32, 4, 3, False)] + [
+    (chunk, bn, 4, stages, True)
+    for chunk, bn, stages in itertools.product([64, 128, 256], [32, 64, 128], [2, 3, 4]) if bn <= chunk]
+op = DecodeAttentionOp(name="attn", heads=H, kv_heads=KV, head_dim=HD, max_context=C)
+print(f"{'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>5} {'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8}")
 for T, ctx in [(1, 1024), (8, 1024), (64, 1024)]:
     qkv = torch.randn(T, (H + 2 * KV) * HD, device="cuda").to(torch.bfloat16)
     kvs = [torch.randn(T + 1, C, 2, KV, HD, device="cuda").to(torch.bfloat16) for _ in range(2)]
@@ -19,17 +28,23 @@ for T, ctx in [(1, 1024), (8, 1024), (64, 1024)]:
     slots = torch.arange(T, device="cuda", dtype=torch.int32)
     out = torch.empty(T, H * HD, device="cuda", dtype=torch.bfloat16)
     floor = T * ctx * 2 * KV * HD * 2 / 4.3e12
-    for chunk, bn, warps, stages in itertools.product([64, 128, 256], [32, 64], [4, 8], [2, 3]):
-        if bn > chunk:
-            continue
+    ref_kv = kvs[0].clone()
+    ref_out = torch.empty_like(out)
+    op.reference({"qkv": qkv, "kv": ref_kv, "seq_lens": lens, "cache_slots": slots, "out": ref_out}, {})
+    for chunk, bn, warps, stages, pv_bf16 in CONFIGS:
         def run(kv=kvs):
             for cache in kv:
                 decode_attention(qkv, cache, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD,
-                                 chunk=chunk, block_n=bn, num_warps=warps, num_stages=stages)
-        run()
+                                 chunk=chunk, block_n=bn, num_warps=warps, num_stages=stages,
+                                 pv_bf16=pv_bf16)
+        out.fill_(float("nan"))
+        decode_attention(qkv, kvs[0], lens, slots, out, heads=H, kv_heads=KV, head_dim=HD, chunk=chunk,
+                         block_n=bn, num_warps=warps, num_stages=stages, pv_bf16=pv_bf16)
+        err = (out.float() - ref_out.float()).abs().max().item()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(5):
                 run()
         t = time_replays(g.replay, 3, 20) / 10
-        print(f"{T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} {t * 1e6:8.1f} {floor * 1e6:9.1f} {t / floor:6.2f}")
+        print(f"{T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} {'bf16' if pv_bf16 else 'fp32':>5} "
+              f"{t * 1e6:8.1f} {floor * 1e6:9.1f} {t / floor:6.2f} {err:8.1e}", flush=True)

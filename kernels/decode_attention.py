@@ -20,6 +20,7 @@ import triton.language as tl
 
 BLOCK_N = 32
 NUM_STAGES = 3
+PV_BF16 = False    # p @ V on tensor cores with p rounded to bf16 (else exact fp32 FMAs)
 
 
 def default_chunk(rows: int) -> int:
@@ -33,7 +34,8 @@ _workspaces: dict = {}
 def _partial(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, stride_t, stride_slot, stride_pos,
              stride_kind, stride_head, scale,
              H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-             HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr):
+             HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+             PV_BF16: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -61,7 +63,12 @@ def _partial(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, stride_t, stride_slot
         alpha = tl.exp(m - m_new)
         p = tl.exp(sc - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        if PV_BF16:
+            # Tensor cores, as FlashAttention does: p in [0, 1] rounded to bf16 (2^-9 relative).
+            pv = tl.dot(p.to(tl.bfloat16), v)
+        else:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m = m_new
     if s == 0:
         kn = tl.load(row + (H + kvh) * HD + d)
@@ -101,7 +108,7 @@ def _combine(m_ws, l_ws, acc_ws, out, stride_out, H: tl.constexpr, HD: tl.conste
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
                      head_dim: int, chunk: int | None = None, block_n: int = BLOCK_N,
-                     num_warps: int = 4, num_stages: int = NUM_STAGES) -> None:
+                     num_warps: int = 4, num_stages: int = NUM_STAGES, pv_bf16: bool = PV_BF16) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention."""
     T, C = qkv.shape[0], kv.shape[1]
@@ -118,6 +125,7 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
         qkv, kv, seq_lens, cache_slots, m_ws, l_ws, acc_ws, qkv.stride(0), kv.stride(0),
         kv.stride(1), kv.stride(2), kv.stride(3), 1.0 / math.sqrt(head_dim),
         H=heads, KV=kv_heads, G=G, GP=max(16, triton.next_power_of_2(G)), HD=head_dim,
-        CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, num_warps=num_warps, num_stages=num_stages)
+        CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, PV_BF16=pv_bf16, num_warps=num_warps,
+        num_stages=num_stages)
     _combine[(T, heads)](m_ws, l_ws, acc_ws, out, out.stride(0), H=heads, HD=head_dim,
                          NSPLIT=nsplit, NP=triton.next_power_of_2(nsplit), num_warps=4)

@@ -22,3 +22,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the CuTe DSL variants were obtained (memory / disk cache / compiled here)."""
+    import sys
+
+    for name in ("graphc.kernels.gemm", "graphc.kernels.attn_res"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "compile_cache"):
+            terminalreporter.write_line(f"compile cache {name}: {module.compile_cache().stats}")

@@ -1,4 +1,5 @@
-"""The decode GEMM shapes of the shipped specs, shared by the compile-only and GPU tests."""
+"""The decode GEMM shapes of the shipped specs and the GPU tests' cases, shared by the
+compile-only tests, the GPU tests and bench/precompile.py (no torch import here)."""
 
 # (K, N, epilogue): Kimi K3 (hidden 7168) and tiny.yaml (hidden 1024, intermediate 2816).
 BIG_SHAPES = [
@@ -14,3 +15,41 @@ TINY_SHAPES = [
     (1024, 1024, None),
 ]
 SPEC_SHAPES = BIG_SHAPES + TINY_SHAPES
+
+ALL_M = [1, 3, 8, 64, 256]
+BIG_M = [1, 8, 64, 256]     # compiling is the slow part: the big shapes skip M = 3
+
+
+def reference_cases():
+    """(M, K, N, epilogue) of test_gemm_gpu.test_matches_fp32_reference."""
+    for k, n, epi in TINY_SHAPES:
+        for m in ALL_M:
+            yield m, k, n, epi
+    for k, n, epi in BIG_SHAPES:
+        for m in BIG_M:
+            yield m, k, n, epi
+    # Two consumer warpgroups with a padded second half; N not a multiple of 128.
+    yield 200, 1024, 5632, "silu_mul"
+    yield 129, 1024, 1024, None
+    yield 5, 128, 192, None
+
+
+# The benchmark's tuning variants (bench/gemm.py), each with its reference check.
+TUNING_CASES = [
+    (1, 7168, 36864, "silu_mul", dict(block_k=128)),
+    (64, 18432, 7168, None, dict(block_k=128)),
+    (256, 1024, 5632, "silu_mul", dict(block_k=128)),
+    (3, 2816, 1024, None, dict(block_k=128)),
+    (64, 18432, 7168, None, dict(row_wgs=2)),           # 256-row tiles on a 28-tile problem
+    (5, 1024, 5632, "silu_mul", dict(row_wgs=2)),
+    (32, 1024, 36864, None, dict()),                   # row_wgs = 2 by default, plain
+    (64, 7168, 36864, "silu_mul", dict(row_wgs=1, block_k=128)),
+]
+
+# Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for
+# bench/precompile.py; keep in step with the tests.
+OTHER_CASES = [
+    (8, 7168, 10240, None), (8, 1024, 5632, "silu_mul"), (8, 18432, 7168, None),
+    (64, 7168, 36864, "silu_mul"), (1, 1024, 1024, None), (256, 8192, 7168, None),
+    (8, 8192, 7168, None), (64, 1024, 5632, "silu_mul"),
+]

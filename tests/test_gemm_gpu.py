@@ -24,24 +24,7 @@ except ImportError:
     _HANG_GUARD = []
 pytestmark = [pytest.mark.gpu, *_HANG_GUARD]
 
-from gemm_shapes import BIG_SHAPES, TINY_SHAPES  # noqa: E402
-
-ALL_M = [1, 3, 8, 64, 256]
-BIG_M = [1, 8, 64, 256]     # compiling is the slow part: the big shapes skip M = 3
-
-
-def _cases():
-    for k, n, epi in TINY_SHAPES:
-        for m in ALL_M:
-            yield m, k, n, epi
-    for k, n, epi in BIG_SHAPES:
-        for m in BIG_M:
-            yield m, k, n, epi
-    # Two consumer warpgroups with a padded second half; N not a multiple of 128.
-    yield 200, 1024, 5632, "silu_mul"
-    yield 129, 1024, 1024, None
-    yield 5, 128, 192, None
-
+from gemm_shapes import TUNING_CASES, reference_cases  # noqa: E402
 
 def _inputs(m: int, k: int, n: int, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -71,7 +54,7 @@ def _check_close(out, ref, what=""):
     return err
 
 
-@pytest.mark.parametrize("m, k, n, epilogue", list(_cases()))
+@pytest.mark.parametrize("m, k, n, epilogue", list(reference_cases()))
 def test_matches_fp32_reference(m, k, n, epilogue):
     x, w = _inputs(m, k, n)
     ref = _reference(x, w, epilogue)
@@ -86,16 +69,7 @@ def test_matches_fp32_reference(m, k, n, epilogue):
     assert exact > 0.9, f"only {exact:.1%} of the elements equal bf16(reference)"
 
 
-@pytest.mark.parametrize("m, k, n, epilogue, tuning", [
-    (1, 7168, 36864, "silu_mul", dict(block_k=128)),
-    (64, 18432, 7168, None, dict(block_k=128)),
-    (256, 1024, 5632, "silu_mul", dict(block_k=128)),
-    (3, 2816, 1024, None, dict(block_k=128)),
-    (64, 18432, 7168, None, dict(row_wgs=2)),           # 256-row tiles on a 28-tile problem
-    (5, 1024, 5632, "silu_mul", dict(row_wgs=2)),
-    (32, 1024, 36864, None, dict()),                   # row_wgs = 2 by default, plain
-    (64, 7168, 36864, "silu_mul", dict(row_wgs=1, block_k=128)),
-])
+@pytest.mark.parametrize("m, k, n, epilogue, tuning", TUNING_CASES)
 def test_tuning_variants_match_reference(m, k, n, epilogue, tuning):
     """The benchmark's variants: K = 128 per stage (two TMA boxes per half), 256-row tiles on
     two row warpgroups, and their opposites."""

@@ -1,0 +1,134 @@
+"""What the AttnRes <-> GEMM overlap saves: a chain AttnRes -> GEMM -> AttnRes -> GEMM ...
+
+    source .gpu/setup.sh && python3 bench/chain.py --out $OUT/chain.json
+
+Each link is the decode step's pattern: the AttnRes kernel (hidden 7168, nb = 4 saved blocks,
+has_delta) reads the previous GEMM's output as its delta and writes the next GEMM's input; the
+GEMM is a 7168 x 7168 projection (102.8 MB of weights, cycling over enough copies that no call
+finds its weights in L2). Per batch size M, all in CUDA graphs of 24 links:
+
+* ``gemm``: the GEMMs alone (the same 24 calls, PDL edges between them);
+* ``pdl``: the chain with PDL edges everywhere (AttnRes's pre-phase runs under the GEMM's
+  tail, the GEMM's weight prologue under AttnRes);
+* ``full``: the same kernels with full edges (no PDL attribute);
+* ``cublas``: AttnRes (PDL) with torch.mm instead of our GEMM (full edges into cuBLAS).
+
+``added`` = (chain - GEMMs alone) / links: what each AttnRes costs beyond the GEMMs' own time
+(issue 5's target: <= 1 us with PDL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from graphc.kernels import gemm  # noqa: E402
+from graphc.kernels.attn_res import attn_res  # noqa: E402
+
+D, NB, LINKS, EPS = 7168, 4, 24, 1e-6
+
+
+def time_graph(fn, replays: int) -> float:
+    """Median seconds per replay of a CUDA graph of fn (warmed up outside capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(stream)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn(stream)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def bench(m: int, replays: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = max(2, math.ceil(4 * l2 / (D * D * 2)))
+    ws = [(torch.randn(D, D, generator=g, device="cuda") / D**0.5).to(bf) for _ in range(copies)]
+    ys = [torch.randn(m, D, generator=g, device="cuda").to(bf) for _ in range(LINKS + 1)]
+    xs = [torch.empty(m, D, device="cuda", dtype=bf) for _ in range(LINKS)]
+    prefix = (4 * torch.randn(m, D, generator=g, device="cuda")).to(bf)
+    blocks = (2 * torch.randn(m, NB, D, generator=g, device="cuda")).to(bf)
+    key_norm = (1 + 0.2 * torch.randn(D, generator=g, device="cuda")).to(bf)
+    query = (4 / math.sqrt(D) * torch.randn(D, generator=g, device="cuda")).to(bf)
+    out_norm = (1 + 0.2 * torch.randn(D, generator=g, device="cuda")).to(bf)
+
+    def res(i, stream, use_pdl):
+        attn_res(ys[i], prefix, blocks, key_norm, query, out_norm, xs[i], nb=NB, has_delta=True,
+                 write=-1, final=False, eps=EPS, out_eps=EPS, stream=stream, use_pdl=use_pdl)
+
+    def chain(use_pdl, with_res=True, cublas=False):
+        def run(stream):
+            for i in range(LINKS):
+                if with_res:
+                    res(i, stream, use_pdl)
+                w = ws[i % copies]
+                if cublas:
+                    torch.mm(xs[i], w.t(), out=ys[i + 1])
+                else:
+                    gemm.linear(xs[i], w, ys[i + 1], stream=stream, use_pdl=use_pdl)
+        return run
+
+    row = {"m": m, "links": LINKS, "weight_copies": copies}
+    for name, fn in (("gemm", chain(True, with_res=False)), ("pdl", chain(True)),
+                     ("full", chain(False)), ("cublas_gemm", chain(False, with_res=False, cublas=True)),
+                     ("cublas", chain(True, cublas=True))):
+        row[name + "_s"] = time_graph(fn, replays) / LINKS
+    for name in ("pdl", "full"):
+        row[name + "_added_s"] = row[name + "_s"] - row["gemm_s"]
+    row["cublas_added_s"] = row["cublas_s"] - row["cublas_gemm_s"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", default="1,8,64")
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}: per link (AttnRes nb={NB} + {D}x{D} GEMM), {LINKS} links per graph")
+    hdr = (f"{'M':>4} {'gemm us':>8} {'pdl us':>8} {'added':>7} {'full us':>8} {'added':>7} "
+           f"{'cuBLAS us':>9} {'+AttnRes':>9} {'added':>7}")
+    print(hdr)
+    rows = []
+    for m in (int(v) for v in args.m.split(",")):
+        r = bench(m, args.replays)
+        rows.append(r)
+        print(f"{m:>4} {r['gemm_s'] * 1e6:8.2f} {r['pdl_s'] * 1e6:8.2f} {r['pdl_added_s'] * 1e6:7.2f} "
+              f"{r['full_s'] * 1e6:8.2f} {r['full_added_s'] * 1e6:7.2f} {r['cublas_gemm_s'] * 1e6:9.2f} "
+              f"{r['cublas_s'] * 1e6:9.2f} {r['cublas_added_s'] * 1e6:7.2f}", flush=True)
+        torch.cuda.empty_cache()
+    result = {"gpu": props.name, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "hidden": D, "nb": NB, "rows": rows}
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"chain_{_dt.date.today().isoformat()}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

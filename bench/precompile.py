@@ -1,0 +1,88 @@
+"""Compile the decode-GEMM variants that the GPU tests and benchmarks use, on a machine without
+a GPU, into the disk compile cache (kernels/compile_cache.py), so that the GPU machine loads
+them instead of spending its time in the compiler.
+
+    CUTE_DSL_ARCH=sm_90a GRAPHC_CACHE_DIR=.kcache python3 bench/precompile.py
+    # then on the GPU machine: carry .kcache and export GRAPHC_CACHE_DIR=$PWD/.kcache
+
+The cache key includes the DSL's CUDA runtime build (cu12 / cu13), so compile with the same
+build the GPU machine runs: the GPU bundle's (cu13) under a Python 3.12 that has numpy and
+cuda-python, with PYTHONPATH=<bundle>:<bundle>/nvidia_cutlass_dsl/dsl_packages.
+
+The list is the union of tests/test_gemm_gpu.py's cases, bench/gemm.py's rows and variants and
+the linear shapes of the shipped specs at the batch sizes the step tests and `graphc bench`
+capture, all for an H200's 132 SMs. A variant missing from the list is simply compiled on the
+GPU machine as before; a stale object is never loaded (the cache key hashes the kernel source).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+H200_SMS = 132
+STEP_BATCH_SIZES = (1, 5, 8, 32, 64)       # test_step_gpu.py and `graphc bench`'s defaults
+
+
+def gemm_configs() -> list[tuple]:
+    import gemm_shapes as t
+    from gemm_shapes import BIG_SHAPES, SPEC_SHAPES
+
+    from graphc.kernels.gemm import GemmConfig
+
+    wanted = [(m, k, n, e, {}) for m, k, n, e in t.reference_cases()]
+    wanted += list(t.TUNING_CASES)
+    wanted += [(m, k, n, e, {}) for m, k, n, e in t.OTHER_CASES]
+    for k, n, e in BIG_SHAPES:                       # bench/gemm.py: default + both variants
+        for m in (1, 8, 64, 256):
+            base = GemmConfig(m, k, n, e, H200_SMS)
+            wanted.append((m, k, n, e, {}))
+            wanted.append((m, k, n, e, {"block_k": 192 - base.block_k}))
+            wanted.append((m, k, n, e, {"row_wgs": 3 - base.row_wgs}))
+    for k, n, e in SPEC_SHAPES:
+        for m in STEP_BATCH_SIZES:
+            wanted.append((m, k, n, e, {}))
+    for m in (1, 8, 64):                             # bench/chain.py
+        wanted.append((m, 7168, 7168, None, {}))
+    keys = []
+    for m, k, n, e, tuning in wanted:
+        try:
+            key = GemmConfig(m, k, n, e, H200_SMS, **tuning).key()
+        except ValueError:
+            continue                                 # an illegal variant: the bench skips it too
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def _compile(key: tuple) -> float:
+    from graphc.kernels import gemm
+
+    t0 = time.perf_counter()
+    gemm.compile_cache().get(key)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    keys = gemm_configs()
+    print(f"{len(keys)} decode-GEMM variants -> {os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for i, (key, secs) in enumerate(zip(keys, pool.map(_compile, keys)), 1):
+            print(f"[{i:3d}/{len(keys)}] {secs:5.1f} s  {key}", flush=True)
+    print(f"done in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
