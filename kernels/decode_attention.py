@@ -8,6 +8,11 @@ Pass 1, grid (rows, kv heads, splits): each program takes one KV head's query gr
 ``chunk`` cached positions with an online softmax and writes (max, sum, acc) partials; split 0
 also folds in the new token (straight from qkv) and appends its K/V at position seq_len, a
 position no other program reads. Pass 2, grid (rows, heads): combines the splits.
+
+Both products run on tensor cores: q @ K^T in bf16, and p @ V with the probabilities rounded
+to bf16 (relative 2^-9, as FlashAttention does); the softmax statistics and the accumulator
+stay fp32. At 64 rows this took the kernel from 147 to 89 us per layer (context 1024, floor
+62 us), because the exact fp32 p @ V was compute-bound on CUDA cores.
 """
 
 from __future__ import annotations
@@ -18,15 +23,19 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 32
-NUM_STAGES = 3
-PV_BF16 = False    # p @ V on tensor cores with p rounded to bf16 (else exact fp32 FMAs)
+PV_BF16 = True     # p @ V on tensor cores with p rounded to bf16 (False: exact fp32 FMAs)
 
 
-def default_chunk(rows: int) -> int:
-    """Cached positions per program. Measured on an H200 (bench/decode_attention.py, context
-    1024): 64 is best for 1-4 rows (more programs in flight), 256 from 8 rows up."""
-    return 64 if rows <= 4 else 256
+def default_tiling(rows: int) -> tuple[int, int, int]:
+    """(chunk, block_n, num_stages): cached positions per program, keys per loop step and
+    pipeline depth. Measured on an H200 with bf16 p @ V (bench/decode_attention.py, context
+    1024, bench/results/decode_attention_sweep_*): few rows want many small programs in
+    flight, 64 rows want long chunks that amortise the split combine."""
+    if rows <= 4:
+        return 64, 64, 2       # 6.6 us at 1 row (fp32 p @ V, chunk 64: 8.2)
+    if rows <= 16:
+        return 128, 64, 2      # 16.4 us at 8 rows (fp32: 28.7)
+    return 256, 32, 3          # 89.4 us at 64 rows (fp32: 146.9; floor 62.4)
 _workspaces: dict = {}
 
 
@@ -107,12 +116,16 @@ def _combine(m_ws, l_ws, acc_ws, out, stride_out, H: tl.constexpr, HD: tl.conste
 
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
-                     head_dim: int, chunk: int | None = None, block_n: int = BLOCK_N,
-                     num_warps: int = 4, num_stages: int = NUM_STAGES, pv_bf16: bool = PV_BF16) -> None:
+                     head_dim: int, chunk: int | None = None, block_n: int | None = None,
+                     num_warps: int = 4, num_stages: int | None = None, pv_bf16: bool = PV_BF16) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
-    positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention."""
+    positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention. The tiling arguments
+    default to ``default_tiling(rows)``."""
     T, C = qkv.shape[0], kv.shape[1]
-    chunk = chunk or default_chunk(T)
+    tiled = default_tiling(T)
+    chunk = chunk or tiled[0]
+    block_n = block_n or tiled[1]
+    num_stages = num_stages or tiled[2]
     G = heads // kv_heads
     nsplit = math.ceil(C / chunk)
     key = (qkv.device, T, heads, nsplit, head_dim)

@@ -152,4 +152,7 @@ def test_decode_attention_kernel_against_reference():
         assert not torch.isnan(got).any()
         rel = (got.float() - want.float()).norm() / want.float().norm()
         assert rel < 1e-2, (T, rel)
-        assert (got == want).float().mean() > 0.9
+        # p @ V runs on tensor cores with p rounded to bf16 (2^-9), as FlashAttention does: no
+        # longer bitwise equal to the fp32 reference, but no element strays far.
+        worst = (got.float() - want.float()).abs().max() / want.float().abs().max()
+        assert worst < 2e-2, (T, worst)
