@@ -36,8 +36,9 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _front(spec_path: str, implementations=None, use_pdl=True):
-    """spec -> graph -> schedule, with timings."""
+def _front(spec_path: str, implementations=None, use_pdl=True, batch: int | None = 1):
+    """spec -> graph -> schedule at one batch size (implementations can differ per batch
+    size), with timings."""
     from .graph import build_graph
     from .schedule import build_schedule
     from .spec import load_spec
@@ -46,7 +47,7 @@ def _front(spec_path: str, implementations=None, use_pdl=True):
     spec = load_spec(spec_path)
     graph = build_graph(spec)
     t1 = time.perf_counter()
-    schedule = build_schedule(graph, implementations, use_pdl)
+    schedule = build_schedule(graph, implementations, use_pdl, batch=batch)
     _progress(f"graph {graph.number_of_nodes()} nodes in {t1 - t0:.2f} s; schedule verified in "
               f"{time.perf_counter() - t1:.2f} s")
     return spec, graph, schedule
@@ -61,11 +62,15 @@ def cmd_build(args) -> int:
     from .graph import weight_bytes, weight_shapes
     from .viz import write_dataflow_svg, write_schedule_html
 
-    spec, graph, schedule = _front(args.spec, use_pdl=not args.no_pdl)
+    from .schedule import build_schedule
+
+    sizes = args.batch_sizes
+    spec, graph, schedule = _front(args.spec, use_pdl=not args.no_pdl, batch=sizes[0])
+    schedules = {b: build_schedule(graph, None, not args.no_pdl, batch=b) for b in sizes}
     out = Path(args.out or Path("out") / Path(args.spec).stem)
     out.mkdir(parents=True, exist_ok=True)
     (out / "graph.json").write_text(json.dumps(graph_json(graph), indent=1))
-    (out / "schedule.txt").write_text(schedule_text(schedule))
+    (out / "schedule.txt").write_text(schedules_text(schedules))
     write_dataflow_svg(graph, out / "graph.svg")
     write_schedule_html(schedule, out / "schedule.html")
     if args.write_weight_names:
@@ -79,12 +84,14 @@ def cmd_build(args) -> int:
     _say(f"{spec.model.name}: {len(spec.layers)} layers, residual {spec.residual.kind}"
          + (f" (block size {spec.residual.block_size}, {spec.num_blocks()} blocks)"
             if spec.residual.kind == "attn_res" else ""))
-    _say(f"  kernels {len(schedule.kernels)}, PDL edges {len(schedule.pdl_edges())}, "
-         f"weights {wbytes / 1e9:.2f} GB")
+    _say(f"  kernels {len(schedule.kernels)}, weights {wbytes / 1e9:.2f} GB")
+    for group, s in _groups(schedules):
+        _say(f"  batch {', '.join(map(str, group))}: {len(s.pdl_edges())} PDL edges; "
+             + ", ".join(f"{kind} {impl}" for kind, impl in s.implementations().items()))
     _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")
     for b in args.batch_sizes:
         _say(f"    batch {b:4d}: {step_floor_s(schedule, b, ctx) * 1e6:10.1f} us")
-    _say(f"  wrote {out}/graph.json, schedule.txt, graph.svg, schedule.html")
+    _say(f"  wrote {out}/graph.json, schedule.txt, graph.svg, schedule.html (batch {sizes[0]})")
 
     if args.reference or (args.reference is None and wbytes <= SMALL_MODEL_BYTES):
         _reference_step(spec, schedule, args.batch_sizes[0], args.weights)
@@ -147,10 +154,30 @@ def schedule_text(schedule) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _groups(schedules: dict) -> list[tuple[list[int], object]]:
+    """Batch sizes whose schedules are the same (same implementations and edges), in order."""
+    groups: list[tuple[list[int], object]] = []
+    for b, s in sorted(schedules.items()):
+        key = [(k.impl, k.edge) for k in s.kernels]
+        for sizes, other in groups:
+            if [(k.impl, k.edge) for k in other.kernels] == key:
+                sizes.append(b)
+                break
+        else:
+            groups.append(([b], s))
+    return groups
+
+
+def schedules_text(schedules: dict) -> str:
+    """One section per group of batch sizes that share a schedule."""
+    return "\n".join(f"## batch sizes {', '.join(map(str, sizes))}\n{schedule_text(s)}"
+                     for sizes, s in _groups(schedules))
+
+
 def cmd_inspect(args) -> int:
     from .graph import describe_node, format_dims, weight_bytes
 
-    spec, graph, schedule = _front(args.spec)
+    spec, graph, schedule = _front(args.spec, batch=args.batch)
     if args.node:
         if args.node not in graph:
             import difflib
@@ -163,7 +190,8 @@ def cmd_inspect(args) -> int:
         _say(f"  kernel #{k.index}: {k.impl}, {k.edge} edge: {k.reason}")
         return 0
     _say(f"{spec.path}: {len(spec.layers)} layers, {graph.number_of_nodes()} ops, "
-         f"{graph.number_of_edges()} edges, weights {weight_bytes(graph) / 1e9:.2f} GB")
+         f"{graph.number_of_edges()} edges, weights {weight_bytes(graph) / 1e9:.2f} GB; "
+         f"schedule at batch {args.batch}: {len(schedule.pdl_edges())} PDL edges")
     for k in schedule.kernels:
         op = k.op
         outs = ", ".join(f"{v.name}{format_dims(v.buffer.dims)}" for v in op.writes.values())
@@ -175,8 +203,9 @@ def cmd_viz(args) -> int:
     from .viz import write_viz
 
     profile = json.loads(Path(args.profile).read_text()) if args.profile else None
-    # Draw the schedule that was measured: the profile names the implementations it ran.
-    _, _, schedule = _front(args.spec, (profile or {}).get("implementations"))
+    # Draw the schedule that was measured: the profile names its batch and the implementations.
+    batch = (profile or {}).get("batch", args.batch)
+    _, _, schedule = _front(args.spec, (profile or {}).get("implementations"), batch=batch)
     write_viz(schedule, args.out, profile=profile)
     _say(f"wrote {args.out}")
     return 0
@@ -234,12 +263,16 @@ def make_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print the graph, or one node")
     i.add_argument("spec")
     i.add_argument("node", nargs="?")
+    i.add_argument("--batch", type=int, default=1,
+                   help="the batch size whose schedule to show (implementations differ per size)")
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("viz", help="write the dataflow graph (.svg/.dot) or schedule timeline (.html)")
     v.add_argument("spec")
     v.add_argument("--out", required=True)
     v.add_argument("--profile", help="profile JSON (from DecodeStep.profile) for measured durations")
+    v.add_argument("--batch", type=int, default=1,
+                   help="the batch size whose schedule to draw (default 1; a profile names its own)")
     v.set_defaults(func=cmd_viz)
 
     r = sub.add_parser("run", help="build and run a few decode steps on random tokens")

@@ -106,6 +106,16 @@ class Plan:
             self._bindings[batch] = out
         return self._bindings[batch]
 
+    def kernels_of(self, schedule: Schedule):
+        """``schedule``'s kernels, checked to be this plan's kernels in this plan's order (the
+        bindings are per kernel index): a schedule of another batch size may differ in
+        implementations and edges, never in ops or order."""
+        if schedule is not self.schedule:
+            ours = [k.node for k in self.schedule.kernels]
+            if [k.node for k in schedule.kernels] != ours:
+                raise GraphcError("schedule does not run this plan's kernels in this plan's order")
+        return schedule.kernels
+
     def write_inputs(self, batch: int, tokens, seq_lens, cache_slots) -> None:
         """Copy one step's inputs into the static input buffers (rows beyond the real batch are
         the caller's padding)."""

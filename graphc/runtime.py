@@ -35,16 +35,24 @@ class DecodeStep:
 
     The logits returned by a call are a view of a static buffer: the next call overwrites them.
     Clone them if you keep them.
+
+    ``schedules`` holds each captured batch size's schedule (its implementations can differ:
+    the decode GEMM at small batches, cuBLAS at large ones); ``schedule`` is the largest's.
     """
 
-    def __init__(self, schedule: Schedule, plan: Plan, batch_sizes: Sequence[int], graphs=None):
-        self.spec = schedule.spec
-        self.schedule = schedule
+    def __init__(self, schedules: dict[int, Schedule], plan: Plan, graphs=None):
+        self.schedules = dict(sorted(schedules.items()))
+        self.batch_sizes = list(self.schedules)
+        self.schedule = self.schedules[self.batch_sizes[-1]]
+        self.spec = self.schedule.spec
         self.plan = plan
-        self.batch_sizes = sorted(batch_sizes)
         self.graphs = graphs or {}
         self.device = plan.device
         self.fingerprint = self.spec.fingerprint()
+
+    def schedule_for(self, batch: int) -> Schedule:
+        """The schedule that runs a batch of ``batch`` rows (that of its padded size)."""
+        return self.schedules[self.padded_size(batch)]
 
     # --- the call ---------------------------------------------------------------------------
     def padded_size(self, batch: int) -> int:
@@ -138,10 +146,12 @@ class DecodeStep:
 
     # --- reports ----------------------------------------------------------------------------
     def stats(self) -> dict[int, dict]:
-        """Per captured batch size: capture time, graph memory, kernel count, PDL edges."""
+        """Per captured batch size: capture time, graph memory, kernel count, PDL edges, and the
+        implementation of each op kind."""
         return {size: {"capture_s": g.capture_s, "graph_memory_bytes": g.memory_bytes,
                        "kernels": g.kernel_nodes, "pdl_edges": g.pdl_edges,
-                       "schedule_pdl_edges": len(self.schedule.pdl_edges())}
+                       "schedule_pdl_edges": len(self.schedules[size].pdl_edges()),
+                       "implementations": self.schedules[size].implementations()}
                 for size, g in sorted(self.graphs.items())}
 
     def profile(self, batch: int, path: str | os.PathLike | None = None,
@@ -164,7 +174,8 @@ class DecodeStep:
         self.plan.view("cache_slots", size).copy_(torch.arange(size, device=self.device))
         rows = []
         side = torch.cuda.Stream()
-        for k, b in zip(self.schedule.kernels, self.plan.bindings(size)):
+        schedule = self.schedules[size]
+        for k, b in zip(self.plan.kernels_of(schedule), self.plan.bindings(size)):
             launch = k.op.implementations[k.impl].launch
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=side):
@@ -175,7 +186,7 @@ class DecodeStep:
             del g
         result = {"gpu": torch.cuda.get_device_name(), "batch": size, "context": ctx,
                   "method": f"each kernel alone, {repeat}x in its own CUDA graph",
-                  "implementations": self.schedule.implementations(), "kernels": rows}
+                  "implementations": schedule.implementations(), "kernels": rows}
         if path is not None:
             Path(path).write_text(json.dumps(result, indent=1))
         return result
@@ -200,7 +211,8 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())   # tensors report cuda:N
     graph = build_graph(spec)
-    schedule = build_schedule(graph, implementations if dev.type == "cuda" else None, use_pdl)
+    chosen = implementations if dev.type == "cuda" else None
+    schedules = {b: build_schedule(graph, chosen, use_pdl, batch=b) for b in sizes}
     shapes = weight_shapes(graph)
     t0 = time.perf_counter()
     if weights is None:
@@ -208,10 +220,13 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     elif not isinstance(weights, Weights):
         weights = Weights.load(weights, shapes, dev)
     progress(f"weights: {weights.nbytes() / 1e9:.2f} GB ({weights.origin}) in {time.perf_counter() - t0:.1f} s")
-    plan = Plan(schedule, sizes[-1], weights, dev)
+    plan = Plan(schedules[sizes[-1]], sizes[-1], weights, dev)
     graphs = None
     if dev.type == "cuda":
         from .capture import capture_all
 
-        graphs = capture_all(plan, sizes, progress)
-    return DecodeStep(schedule, plan, sizes, graphs)
+        for b, s in schedules.items():
+            progress(f"batch {b}: " + ", ".join(f"{kind} {impl}" for kind, impl in s.implementations().items())
+                     + f"; {len(s.pdl_edges())} PDL edges")
+        graphs = capture_all(plan, schedules, progress)
+    return DecodeStep(schedules, plan, graphs)

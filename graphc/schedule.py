@@ -160,17 +160,19 @@ def verify(schedule: Schedule) -> list[Refusal]:
 # --- choosing edges -----------------------------------------------------------------------------
 
 def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None = None,
-                   use_pdl: bool = True) -> Schedule:
+                   use_pdl: bool = True, batch: int | None = None) -> Schedule:
     """Program order; a pdl edge into every kernel whose PDL rule holds, full otherwise.
 
-    ``implementations`` maps an op kind to an implementation name (default: the first
-    available one of each op).
+    ``implementations`` maps an op kind to an implementation name; other ops get their default
+    at this captured ``batch`` size (``Op.default_implementation``). Each batch size may
+    therefore get a different schedule: the same kernels in the same order, with other
+    implementations and so other edges.
     """
     chosen = dict(implementations or {})
     kernels: list[Launch] = []
     producer: dict[str, int] = {}
     for i, op in enumerate(ops_in_order(graph)):
-        impl = chosen.get(op.kind) or op.default_implementation()
+        impl = chosen.get(op.kind) or op.default_implementation(batch)
         if impl not in op.implementations:
             raise GraphcError(f"{op.name}: no implementation {impl!r} of {op.kind} "
                               f"(have {', '.join(op.implementations)})")

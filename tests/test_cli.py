@@ -17,21 +17,32 @@ def run_cli(*argv):
 
 
 def test_build_writes_every_artifact_and_summary(tmp_path, capsys):
-    assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1,3,8",
+    from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
+
+    assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1,3,64",
                  "--write-weight-names", str(tmp_path / "names.txt")]) == 0
     out = capsys.readouterr().out
     assert "4 layers, residual attn_res (block size 2, 2 blocks)" in out
-    assert "kernels 35, PDL edges 9" in out
-    for b in (1, 3, 8):
-        assert f"batch    {b}:" in out
+    assert "kernels 35," in out
+    # Small batches get the decode GEMM where CuTe DSL is installed (PDL edges into every
+    # linear), large ones cuBLAS (full edges): one schedule per group of batch sizes.
+    assert DECODE_GEMM_MAX_BATCH < 64
+    if LinearOp.implementations["cute"].available():
+        assert "batch 1, 3: 26 PDL edges; embedding torch, attn_res cute, linear cute" in out
+    assert "batch 64: 9 PDL edges; embedding torch, attn_res cute, linear cublas" in out
+    for b in (1, 3, 64):
+        assert f"batch {b:4d}:" in out
     assert "reference step on CPU (batch 1)" in out        # small spec: runs by default
     graph = json.loads((tmp_path / "graph.json").read_text())
     assert len(graph["nodes"]) == 35
     assert {"from": "L01.attn.qkv", "to": "L01.attn.attention", "values": ["L01.attn.qkv.out"],
             "hazard": "raw"} in graph["edges"]
-    lines = (tmp_path / "schedule.txt").read_text().splitlines()
-    assert len(lines) == 36
-    assert any(l.split()[1:3] == ["pdl", "L01.attn_res.attn"] for l in lines[1:])
+    sections = (tmp_path / "schedule.txt").read_text().split("## batch sizes ")[1:]
+    assert sections[-1].startswith("64\n")
+    lines = sections[-1].splitlines()
+    assert len(lines) == 37
+    assert any(l.split()[1:3] == ["pdl", "L01.attn_res.attn"] for l in lines[2:])
+    assert any(l.split()[1:3] == ["full", "L01.attn.qkv"] for l in lines[2:])
     assert (tmp_path / "graph.svg").read_text().lstrip().startswith(("<?xml", "<svg", "<!DOCTYPE"))
     assert "L03.mlp.down" in (tmp_path / "schedule.html").read_text()
     names = (tmp_path / "names.txt").read_text().splitlines()

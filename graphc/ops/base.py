@@ -84,12 +84,22 @@ class Implementation:
 
     ``launch(op, tensors, weights, stream, use_pdl)`` enqueues the work on ``stream``; its
     first call (compilation, workspace allocation) happens in the warm-up, outside capture.
+    ``max_batch``: the largest batch size this implementation is the default for (None: any),
+    where a measurement showed another one faster beyond it.
     """
 
     name: str
     traits: PdlTraits
     launch: Callable
     available: Callable[[], bool] = lambda: True
+    max_batch: int | None = None
+
+    def default_for(self, batch: int | None) -> bool:
+        """Whether this is a candidate default at ``batch`` (None: no batch size known, so
+        only implementations without a batch limit qualify)."""
+        if self.max_batch is None:
+            return True
+        return batch is not None and batch <= self.max_batch
 
 
 @dataclass(eq=False)
@@ -137,9 +147,10 @@ class Op:
     def traits(self, impl: str) -> PdlTraits:
         return self.implementations[impl].traits
 
-    def default_implementation(self) -> str:
+    def default_implementation(self, batch: int | None = None) -> str:
+        """The first available implementation that is a default at this batch size."""
         for name, impl in self.implementations.items():
-            if impl.available():
+            if impl.default_for(batch) and impl.available():
                 return name
         raise RuntimeError(f"no implementation of {self.kind} is available")
 

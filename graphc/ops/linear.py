@@ -2,6 +2,11 @@
 
 cuBLAS (through torch) cannot execute ``griddepcontrol.wait``, so the scheduler may enter it
 only through a full edge. The CuTe DSL decode GEMM streams its weights before the wait.
+
+Which one a captured batch size gets by default was measured (bench/gemm.py on an H200,
+bench/gemm_notes.md): the decode GEMM streams the weights faster than cuBLAS up to
+``DECODE_GEMM_MAX_BATCH`` rows on every linear shape of the Kimi specs; above, cuBLAS's
+tiling wins on some shapes, so larger batch sizes keep cuBLAS.
 """
 
 from __future__ import annotations
@@ -34,14 +39,16 @@ def _decode_gemm_available() -> bool:
             and importlib.util.find_spec("graphc.kernels.gemm") is not None)
 
 
+DECODE_GEMM_MAX_BATCH = 16
+
+
 @dataclass(eq=False)
 class LinearOp(Op):
     kind = "linear"
-    # cuBLAS first: the decode GEMM becomes the default once it is verified on the GPU.
     implementations = {
-        "cublas": Implementation("cublas", LIBRARY_KERNEL, _launch_cublas),
         "cute": Implementation("cute", _decode_gemm_traits(), _launch_decode_gemm,
-                               available=_decode_gemm_available),
+                               available=_decode_gemm_available, max_batch=DECODE_GEMM_MAX_BATCH),
+        "cublas": Implementation("cublas", LIBRARY_KERNEL, _launch_cublas),
     }
 
     k: int = 0
