@@ -14,7 +14,8 @@ finds its weights in L2). Per batch size M, all in CUDA graphs of 24 links:
 * ``cublas``: AttnRes (PDL) with torch.mm instead of our GEMM (full edges into cuBLAS).
 
 ``added`` = (chain - GEMMs alone) / links: what each AttnRes costs beyond the GEMMs' own time
-(issue 5's target: <= 1 us with PDL).
+(issue 5's target: <= 1 us with PDL). ``pfN`` repeats gemm / pdl / added with N W iterations
+prefetched into L2 before the GEMM's wait (default: gemm.DEFAULT_L2_PREFETCH).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from graphc.kernels import gemm  # noqa: E402
 from graphc.kernels.attn_res import attn_res  # noqa: E402
 
 D, NB, LINKS, EPS = 7168, 4, 24, 1e-6
+PREFETCH_VARIANTS = (0, 16)
 
 
 def time_graph(fn, replays: int) -> float:
@@ -79,7 +81,7 @@ def bench(m: int, replays: int) -> dict:
         attn_res(ys[i], prefix, blocks, key_norm, query, out_norm, xs[i], nb=NB, has_delta=True,
                  write=-1, final=False, eps=EPS, out_eps=EPS, stream=stream, use_pdl=use_pdl)
 
-    def chain(use_pdl, with_res=True, cublas=False):
+    def chain(use_pdl, with_res=True, cublas=False, **tuning):
         def run(stream):
             for i in range(LINKS):
                 if with_res:
@@ -88,7 +90,7 @@ def bench(m: int, replays: int) -> dict:
                 if cublas:
                     torch.mm(xs[i], w.t(), out=ys[i + 1])
                 else:
-                    gemm.linear(xs[i], w, ys[i + 1], stream=stream, use_pdl=use_pdl)
+                    gemm.linear(xs[i], w, ys[i + 1], stream=stream, use_pdl=use_pdl, **tuning)
         return run
 
     row = {"m": m, "links": LINKS, "weight_copies": copies}
@@ -99,6 +101,12 @@ def bench(m: int, replays: int) -> dict:
     for name in ("pdl", "full"):
         row[name + "_added_s"] = row[name + "_s"] - row["gemm_s"]
     row["cublas_added_s"] = row["cublas_s"] - row["cublas_gemm_s"]
+    # What the L2 prefetch before the wait buys (the default is gemm.DEFAULT_L2_PREFETCH).
+    row["l2_prefetch"] = {}
+    for pf in PREFETCH_VARIANTS:
+        alone = time_graph(chain(True, with_res=False, l2_prefetch=pf), replays) / LINKS
+        linked = time_graph(chain(True, l2_prefetch=pf), replays) / LINKS
+        row["l2_prefetch"][pf] = {"gemm_s": alone, "pdl_s": linked, "added_s": linked - alone}
     return row
 
 
@@ -111,7 +119,7 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}: per link (AttnRes nb={NB} + {D}x{D} GEMM), {LINKS} links per graph")
     hdr = (f"{'M':>4} {'gemm us':>8} {'pdl us':>8} {'added':>7} {'full us':>8} {'added':>7} "
-           f"{'cuBLAS us':>9} {'+AttnRes':>9} {'added':>7}")
+           f"{'cuBLAS us':>9} {'+AttnRes':>9} {'added':>7}  l2 prefetch variants: gemm/pdl/added us")
     print(hdr)
     rows = []
     for m in (int(v) for v in args.m.split(",")):
@@ -119,7 +127,9 @@ def main() -> None:
         rows.append(r)
         print(f"{m:>4} {r['gemm_s'] * 1e6:8.2f} {r['pdl_s'] * 1e6:8.2f} {r['pdl_added_s'] * 1e6:7.2f} "
               f"{r['full_s'] * 1e6:8.2f} {r['full_added_s'] * 1e6:7.2f} {r['cublas_gemm_s'] * 1e6:9.2f} "
-              f"{r['cublas_s'] * 1e6:9.2f} {r['cublas_added_s'] * 1e6:7.2f}", flush=True)
+              f"{r['cublas_s'] * 1e6:9.2f} {r['cublas_added_s'] * 1e6:7.2f}  "
+              + " ".join(f"pf{pf}: {v['gemm_s'] * 1e6:.2f}/{v['pdl_s'] * 1e6:.2f}/+{v['added_s'] * 1e6:.2f}"
+                         for pf, v in r["l2_prefetch"].items()), flush=True)
         torch.cuda.empty_cache()
     result = {"gpu": props.name, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "hidden": D, "nb": NB, "rows": rows}

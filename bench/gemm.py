@@ -13,8 +13,9 @@ without the attribute; ``cublas`` is ``torch.mm`` in the same kind of graph (for
 GEMM alone; ``cublas+act`` adds the separate silu(gate) * up kernels the unfused path needs).
 The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the nominal
 4.3 TB/s (the measured D2D copy bandwidth is reported beside it). ``variants`` times the legal
-alternatives to the default tuning (``bk``: K per stage 64/128; ``rw``: 128- or 256-row tiles),
-each checked against the reference first; they decide DEFAULT_BLOCK_K and the row_wgs rule.
+alternatives to the default tuning (``bk``: K per stage 64/128; ``pf``: W iterations prefetched
+into L2 before the PDL wait), each checked against the reference first; they decide
+DEFAULT_BLOCK_K and DEFAULT_L2_PREFETCH.
 
 Runtime: ~3 compiles per (shape, M) (a few seconds each) plus ~1 s of timing; the default
 16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml.
@@ -96,14 +97,22 @@ def _time_graph(fn, replays: int) -> list[float]:
     return times
 
 
+def variant_tunings(base) -> list[tuple[str, dict]]:
+    """The alternatives to a default GemmConfig that the benchmark times: the other K per
+    stage, and no / twice the L2 prefetch before the PDL wait. (256-row tiles, ``row_wgs=2``,
+    lost on every shape and M on 2026-11-30 and are no longer timed by default.)"""
+    pf = base.l2_prefetch
+    return [(f"bk{192 - base.block_k}", dict(block_k=192 - base.block_k)),
+            (f"pf{0 if pf else 8}", dict(l2_prefetch=0 if pf else 8)),
+            (f"pf{2 * pf or 16}", dict(l2_prefetch=2 * pf or 16))]
+
+
 def variants(m: int, k: int, n: int, epilogue) -> list[tuple[str, dict]]:
-    """The tuning alternatives to the default configuration that are legal for this shape:
-    the other K per stage, and the other number of row warpgroups (128- vs 256-row tiles)."""
+    """The tuning alternatives of ``variant_tunings`` that are legal for this shape."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = gemm.GemmConfig(m, k, n, epilogue, sms)
     out = []
-    for label, tuning in ((f"bk{192 - base.block_k}", dict(block_k=192 - base.block_k)),
-                          (f"rw{3 - base.row_wgs}", dict(row_wgs=3 - base.row_wgs))):
+    for label, tuning in variant_tunings(base):
         try:
             gemm.GemmConfig(m, k, n, epilogue, sms, **tuning)
         except ValueError:

@@ -16,7 +16,7 @@ from graphc.plan import Plan
 from graphc.capture import launch_all
 from graphc.schedule import build_schedule
 
-TORCH = {"attn_res": "torch", "decode_attention": "torch", "silu_mul": "torch", "linear": "cublas"}
+TORCH = {"attn_res": "torch", "decode_attention": "torch", "linear": "cublas"}
 
 p = argparse.ArgumentParser()
 p.add_argument("--spec", default="layer_specs/kimi_k3_dense_8l.yaml")

@@ -25,11 +25,29 @@ from concurrent.futures import ProcessPoolExecutor
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 H200_SMS = 132
-STEP_BATCH_SIZES = (1, 5, 8, 32, 64)       # test_step_gpu.py and `graphc bench`'s defaults
+STEP_BATCH_SIZES = (1, 2, 3, 5, 8, 16)     # step tests and `graphc bench` at <= DECODE_GEMM_MAX_BATCH
+
+
+def spec_linear_shapes() -> set[tuple]:
+    """(K, N, epilogue) of every linear op of the shipped specs (lm_head included)."""
+    import glob
+
+    from graphc.graph import build_graph
+    from graphc.ops.linear import LinearOp
+    from graphc.spec import load_spec
+
+    shapes = set()
+    for path in glob.glob(os.path.join(ROOT, "layer_specs", "*.yaml")):
+        graph = build_graph(load_spec(path))
+        for _, op in graph.nodes(data="op"):
+            if isinstance(op, LinearOp):
+                shapes.add((op.k, op.n, op.epilogue))
+    return shapes
 
 
 def gemm_configs() -> list[tuple]:
@@ -41,17 +59,19 @@ def gemm_configs() -> list[tuple]:
     wanted = [(m, k, n, e, {}) for m, k, n, e in t.reference_cases()]
     wanted += list(t.TUNING_CASES)
     wanted += [(m, k, n, e, {}) for m, k, n, e in t.OTHER_CASES]
-    for k, n, e in BIG_SHAPES:                       # bench/gemm.py: default + both variants
-        for m in (1, 8, 64, 256):
-            base = GemmConfig(m, k, n, e, H200_SMS)
+    from gemm import variant_tunings                 # bench/gemm.py
+
+    for k, n, e in BIG_SHAPES:                       # bench/gemm.py: default + its variants
+        for m in (1, 8, 16, 32, 64, 256):
             wanted.append((m, k, n, e, {}))
-            wanted.append((m, k, n, e, {"block_k": 192 - base.block_k}))
-            wanted.append((m, k, n, e, {"row_wgs": 3 - base.row_wgs}))
-    for k, n, e in SPEC_SHAPES:
+            for _, tuning in variant_tunings(GemmConfig(m, k, n, e, H200_SMS)):
+                wanted.append((m, k, n, e, tuning))
+    for k, n, e in sorted(set(SPEC_SHAPES) | spec_linear_shapes(), key=str):
         for m in STEP_BATCH_SIZES:
             wanted.append((m, k, n, e, {}))
     for m in (1, 8, 64):                             # bench/chain.py
-        wanted.append((m, 7168, 7168, None, {}))
+        for pf in (None, 0, 16):
+            wanted.append((m, 7168, 7168, None, {"l2_prefetch": pf}))
     keys = []
     for m, k, n, e, tuning in wanted:
         try:

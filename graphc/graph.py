@@ -2,7 +2,7 @@
 
 Node names are what a person searches for: ``embed``, ``L07.attn_res.attn`` (the AttnRes call
 before layer 7's attention), ``L07.attn.qkv``, ``L07.attn.attention``, ``L07.attn.o_proj``,
-``L07.attn_res.mlp``, ``L07.mlp.gate_up``, ``L07.mlp.silu_mul``, ``L07.mlp.down``,
+``L07.attn_res.mlp``, ``L07.mlp.gate_up`` (with silu(gate)·up fused), ``L07.mlp.down``,
 ``final.attn_res``, ``lm_head``. With ``residual: plain`` the residual nodes are named
 ``L07.residual.attn`` / ``final.residual``.
 
@@ -20,7 +20,7 @@ import networkx as nx
 from .ops.attention import DecodeAttentionOp
 from .ops.attn_res import AttnResOp
 from .ops.base import Buffer, Op, Value
-from .ops.elementwise import EmbeddingOp, SiluMulOp
+from .ops.elementwise import EmbeddingOp
 from .ops.linear import LinearOp
 from .spec import Spec
 
@@ -87,9 +87,12 @@ def build_graph(spec: Spec) -> nx.DiGraph:
                        learned_mixing=attn_res)
         return b.add(op).writes["out"]
 
-    def linear(name, x, k, n, weight_name=""):
-        op = LinearOp(name, reads={"x": x}, writes={"out": b.activation(name, n)}, k=k, n=n,
-                      weight_name=weight_name)
+    def linear(name, x, k, n, weight_name="", epilogue=None):
+        writes = {"out": b.activation(name, n // 2 if epilogue == "silu_mul" else n)}
+        if epilogue is not None:        # the unfused path's bf16 projection (cuBLAS)
+            writes["scratch"] = b.activation(f"{name}.scratch", n)
+        op = LinearOp(name, reads={"x": x}, writes=writes, k=k, n=n, weight_name=weight_name,
+                      epilogue=epilogue)
         return b.add(op).writes["out"]
 
     for layer in spec.layers:
@@ -116,10 +119,7 @@ def build_graph(spec: Spec) -> nx.DiGraph:
         # AttnRes before the MLP: at a block start the attention output opens the new block.
         h = residual(f"{p}.{res_name}.mlp", a, nb=nb_before + int(start), has_delta=not start,
                      write=-1)
-        gate_up = linear(f"{p}.mlp.gate_up", h, D, mlp.gate_up_dim)
-        act = b.add(SiluMulOp(f"{p}.mlp.silu_mul", reads={"x": gate_up},
-                              writes={"out": b.activation(f"{p}.mlp.silu_mul", mlp.intermediate)},
-                              intermediate=mlp.intermediate)).writes["out"]
+        act = linear(f"{p}.mlp.gate_up", h, D, mlp.gate_up_dim, epilogue="silu_mul")
         incoming = linear(f"{p}.mlp.down", act, mlp.intermediate, D)
 
     out = residual(f"final.{res_name}", incoming, nb=NB, has_delta=True, write=-1, final=True,

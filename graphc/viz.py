@@ -51,7 +51,6 @@ KIND_COLORS: dict[str, tuple[str, str]] = {
     "attn_res": ("#7c3aed", "#ede9fe"),
     "linear": ("#2563eb", "#dbeafe"),
     "decode_attention": ("#059669", "#d1fae5"),
-    "silu_mul": ("#db2777", "#fce7f3"),
 }
 _OTHER_KIND = ("#64748b", "#f1f5f9")
 # Edge kinds of the schedule: deliberately not hues used by any op kind.

@@ -80,6 +80,7 @@ DEFAULT_BLOCK_K = 64       # TODO-measure 64 vs 128 (bench/gemm.py --block-k)
 HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
 SMEM_BUDGET = 200 * 1024   # leaves room on the SM for a PDL dependent's CTAs
 MAX_STAGES = 16
+DEFAULT_L2_PREFETCH = 8    # TODO-measure (bench/gemm.py pf variants, bench/chain.py)
 # L2 eviction hint for the W stream (CUTLASS's CacheHintSm90::EVICT_FIRST): weights are read
 # once per step, so they should not push x, the partials or the next kernel's data out of L2.
 EVICT_FIRST = 0x12F0000000000000
@@ -99,7 +100,7 @@ class GemmConfig:
     """
 
     def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS,
-                 block_k: int | None = None, row_wgs: int | None = None):
+                 block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -124,14 +125,12 @@ class GemmConfig:
         per_wg = -(-m // self.col_wgs)
         self.mma_n = 8 if per_wg <= 8 else _round_up(per_wg, 16)
         # x is re-read from L2 once per tile: with two units per tile (256 W rows) that costs
-        # mma_n/256 of the W bytes instead of mma_n/128. Worth it once x is not negligible
-        # (M > 16), if there are enough tiles to keep every SM busy; the price is a coarser
-        # stream-K step (32 KB of W per iteration) and partials twice as large.
+        # mma_n/256 of the W bytes instead of mma_n/128, for a coarser stream-K step (32 KB of
+        # W per iteration), partials twice as large and fewer stages. Measured on an H200
+        # (bench/gemm.py, 2026-11-30): 256-row tiles were slower on all four Kimi shapes at
+        # every M (gate_up M=64: 141.5 vs 133.1 us), so the default is one unit per tile.
         if row_wgs is None:
             row_wgs = 1
-            if self.col_wgs == 1 and m > 16 and self.units % 2 == 0:
-                if self._ctas_for(self.units // 2, ctas) >= self._ctas_for(self.units, ctas):
-                    row_wgs = 2
         if row_wgs not in (1, 2) or self.units % row_wgs or row_wgs * self.col_wgs > 2:
             raise ValueError(f"row_wgs={row_wgs} unsupported here (units={self.units}, col_wgs={self.col_wgs})")
         self.row_wgs = row_wgs
@@ -149,6 +148,13 @@ class GemmConfig:
         self.x_stage_bytes = self.col_wgs * self.mma_n * block_k * 2
         self.stage_bytes = self.w_stage_bytes + self.x_stage_bytes
         self.stages = max(2, min(MAX_STAGES, SMEM_BUDGET // self.stage_bytes))
+        # Iterations beyond the shared-memory stages whose W tiles are prefetched into L2
+        # before the PDL wait, so HBM keeps streaming while the previous kernel finishes.
+        if l2_prefetch is None:
+            l2_prefetch = DEFAULT_L2_PREFETCH
+        if not 0 <= l2_prefetch <= 64:
+            raise ValueError(f"l2_prefetch={l2_prefetch} unsupported: 0..64 iterations")
+        self.l2_prefetch = int(l2_prefetch)
         # Accumulator floats per thread per half (64 x mma_n over 128 threads).
         self.frag = HALF_ROWS * self.mma_n // 128
         # Workspace: two partial slots per CTA (its first and last segment can be partial).
@@ -163,7 +169,8 @@ class GemmConfig:
         return max(1, min(int(sms), tiles * self.k_blocks // min_len))
 
     def key(self) -> tuple:
-        return (self.m, self.k, self.n, self.epilogue, self.ctas, self.block_k, self.row_wgs)
+        return (self.m, self.k, self.n, self.epilogue, self.ctas, self.block_k, self.row_wgs,
+                self.l2_prefetch)
 
     # The stream-K bookkeeping in plain integers. The kernel evaluates the same formulas on
     # device values (DecodeGemmKernel.cta_of / slot_of); tests check their invariants here.
@@ -182,7 +189,8 @@ class GemmConfig:
     def __repr__(self) -> str:
         return (f"GemmConfig(m={self.m}, k={self.k}, n={self.n}, epilogue={self.epilogue!r}, "
                 f"ctas={self.ctas}, tiles={self.tiles}, block_k={self.block_k}, k_blocks={self.k_blocks}, "
-                f"stages={self.stages}, wgs={self.row_wgs}x{self.col_wgs}, mma_n={self.mma_n})")
+                f"stages={self.stages}, wgs={self.row_wgs}x{self.col_wgs}, mma_n={self.mma_n}, "
+                f"l2_prefetch={self.l2_prefetch})")
 
 
 def check_shape(m: int, k: int, n: int, epilogue: str | None = None) -> None:
@@ -392,6 +400,20 @@ class DecodeGemmKernel:
                               tWsW[(None, i * cfg.w_boxes + r * cfg.halves + h)],
                               tma_bar_ptr=full + i, cache_policy=evict_first)
 
+        # Then an L2 prefetch of the next l2_prefetch iterations' W tiles: still weight traffic
+        # only, and it keeps HBM busy when the stages are full before the previous kernel ends
+        # (the PDL overlap window can outlast the stages: AttnRes's post phase, our own tail).
+        # No barrier tracks it; the later TMA loads simply find the lines in L2.
+        n_pf = cutlass.min(n_iters, n_pre + cfg.l2_prefetch)
+        for i in cutlass.range(n_pre, n_pf, unroll=1):
+            g = g_begin + i
+            tile = g // cfg.k_blocks
+            kb = g - tile * cfg.k_blocks
+            with cute.arch.elect_one():
+                for r in cutlass.range_constexpr(cfg.row_wgs):
+                    for h in cutlass.range_constexpr(cfg.halves):
+                        cute.prefetch(tma_w, tWgW[(None, self.w_row_block(tile, r, h), kb)])
+
         cute.arch.griddepcontrol_wait()
 
         # x for the prologue stages.
@@ -589,8 +611,8 @@ def _compile_args():
 
 
 def _build(m: int, k: int, n: int, epilogue: str | None, ctas: int, block_k: int, row_wgs: int,
-           options: str = ""):
-    kernel = DecodeGemmKernel(GemmConfig(m, k, n, epilogue, ctas, block_k, row_wgs))
+           l2_prefetch: int, options: str = ""):
+    kernel = DecodeGemmKernel(GemmConfig(m, k, n, epilogue, ctas, block_k, row_wgs, l2_prefetch))
     if options:
         return cute.compile(kernel, *_compile_args(), options=options)
     return cute.compile(kernel, *_compile_args())
@@ -605,23 +627,26 @@ def compile_cache() -> CompileCache:
 
 def compile_linear(m: int, k: int, n: int, epilogue: str | None = None, *,
                    ctas: int = DEFAULT_SMS, block_k: int | None = None, row_wgs: int | None = None,
-                   options: str | None = None):
+                   l2_prefetch: int | None = None, options: str | None = None):
     """The compiled kernel for one static configuration. Without ``options`` it comes from the
     compile cache (in process, then on disk); with options (e.g. ``--keep-ptx --dump-dir D``) it
     is compiled afresh, so ``.__ptx__`` is there. Works without a GPU when
     ``CUTE_DSL_ARCH=sm_90a``. ``ctas`` is the persistent grid: the device's SM count;
-    ``block_k`` and ``row_wgs`` (None: the defaults) are tuning knobs for the benchmark."""
-    cfg = GemmConfig(m, k, n, epilogue, ctas, block_k, row_wgs)
+    ``block_k``, ``row_wgs`` and ``l2_prefetch`` (None: the defaults) are tuning knobs for
+    the benchmark."""
+    cfg = GemmConfig(m, k, n, epilogue, ctas, block_k, row_wgs, l2_prefetch)
     if options:
         return _build(*cfg.key(), options=options)
     return _CACHE.get(cfg.key())
 
 
 def linear_ptx(m: int, k: int, n: int, epilogue: str | None = None, *, ctas: int = DEFAULT_SMS,
-               block_k: int | None = None, row_wgs: int | None = None) -> str:
+               block_k: int | None = None, row_wgs: int | None = None,
+               l2_prefetch: int | None = None) -> str:
     """PTX text of one configuration (compiled afresh with --keep-ptx, not cached)."""
     with tempfile.TemporaryDirectory() as dump_dir:
         return compile_linear(m, k, n, epilogue, ctas=ctas, block_k=block_k, row_wgs=row_wgs,
+                              l2_prefetch=l2_prefetch,
                               options=f"--keep-ptx --dump-dir {dump_dir}").__ptx__
 
 
@@ -664,8 +689,8 @@ def _workspace(cfg: GemmConfig, device):
 
 @functools.lru_cache(maxsize=None)
 def _config(m: int, k: int, n: int, epilogue: str | None, sms: int, block_k: int | None,
-            row_wgs: int | None) -> GemmConfig:
-    return GemmConfig(m, k, n, epilogue, sms, block_k, row_wgs)
+            row_wgs: int | None, l2_prefetch: int | None) -> GemmConfig:
+    return GemmConfig(m, k, n, epilogue, sms, block_k, row_wgs, l2_prefetch)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -724,18 +749,18 @@ def validate(x, weight, out, epilogue: str | None = None) -> tuple[int, int, int
 
 
 def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl: bool = True,
-           block_k: int | None = None, row_wgs: int | None = None) -> None:
+           block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None) -> None:
     """``out = x @ weight.T`` (bf16 in/out, fp32 accumulation), or with ``epilogue="silu_mul"``
     ``out = silu(g) * u`` where ``[g | u] = x @ weight.T`` split in halves (weight is the fused
     [gate; up] matrix). Launches on ``stream`` (default: the current stream at call time) with
     the PDL attribute when ``use_pdl``. Capturable in a CUDA graph once it has been called
     outside capture for this shape (that first call allocates the split-K workspace).
-    ``block_k`` and ``row_wgs`` are tuning knobs (bench/gemm.py); leave them None."""
+    ``block_k``, ``row_wgs`` and ``l2_prefetch`` are tuning knobs (bench/gemm.py); leave them None."""
     import torch
 
     m, k, n = validate(x, weight, out, epilogue)
     device = weight.device
-    cfg = _config(m, k, n, epilogue, _sm_count(device), block_k, row_wgs)
+    cfg = _config(m, k, n, epilogue, _sm_count(device), block_k, row_wgs, l2_prefetch)
     fn = _CACHE.get(cfg.key())
     partials, counters = _workspace(cfg, device)
     if stream is None:

@@ -126,7 +126,9 @@ def test_config_choices():
     cfg = GemmConfig(1, 7168, 36864, "silu_mul")
     assert (cfg.mma_n, cfg.row_wgs, cfg.col_wgs, cfg.halves, cfg.n_out, cfg.tiles) == (8, 1, 1, 2, 18432, 288)
     assert cfg.stages * cfg.w_stage_bytes >= 64 * 1024, "at least 64 KB of weights in flight"
-    cfg = GemmConfig(64, 7168, 36864, "silu_mul")      # x is not negligible: 256-row tiles
+    cfg = GemmConfig(64, 7168, 36864, "silu_mul")      # 128-row tiles: measured faster
+    assert (cfg.mma_n, cfg.row_wgs, cfg.col_wgs, cfg.tiles, cfg.threads) == (64, 1, 1, 288, 160)
+    cfg = GemmConfig(64, 7168, 36864, "silu_mul", row_wgs=2)   # the knob: 256-row tiles
     assert (cfg.mma_n, cfg.row_wgs, cfg.col_wgs, cfg.tiles, cfg.threads) == (64, 2, 1, 144, 288)
     assert cfg.stages * cfg.w_stage_bytes >= 64 * 1024
     cfg = GemmConfig(64, 18432, 7168)                  # too few 256-row tiles for 132 SMs
@@ -198,6 +200,11 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     first_tma = ptx.index("cp.async.bulk.tensor")
     assert trigger < first_tma < wait
     prologue = ptx[:wait]
+    # The L2 prefetch of the next W tiles (weight traffic, so it belongs before the wait): one
+    # instruction per 64 x 64 W box of an iteration, all of them in the prologue.
+    prefetches = [i for i, line in enumerate(ptx.splitlines()) if "cp.async.bulk.prefetch.tensor.2d.L2" in line]
+    assert len(prefetches) == (cfg.row_wgs * cfg.halves * cfg.block_k // 64 if cfg.l2_prefetch else 0)
+    assert all(i < prologue.count("\n") for i in prefetches)
     assert str(EVICT_FIRST) in prologue
     for op in ("ld.global", "st.global", "atom.", "red."):
         assert not re.search(r"(?<![\w.])" + re.escape(op), prologue), f"{op} before griddepcontrol.wait"
@@ -220,8 +227,6 @@ def test_ptx_spec_shapes(m, k, n, epilogue):
     [
         (3, 1024, 1024, None),            # odd M: masked batch rows
         (200, 1024, 5632, "silu_mul"),    # two batch warpgroups, the second partly padded
-        (64, 7168, 36864, "silu_mul"),    # two row warpgroups (256-row tiles)
-        (32, 1024, 36864, None),          # two row warpgroups, plain
         (256, 7168, 10240, None),         # M = 256: 2 x m64n128 per k-step
         (8, 128, 192, None),              # N not a multiple of 128: one 64-row half per tile
     ],
@@ -229,8 +234,17 @@ def test_ptx_spec_shapes(m, k, n, epilogue):
 def test_ptx_other_shapes(m, k, n, epilogue):
     cfg = GemmConfig(m, k, n, epilogue)
     _check_ptx(ptx_of(m, k, n, epilogue), cfg)
-    if (m, n) in ((64, 36864), (32, 36864)):
-        assert cfg.row_wgs == 2
+
+
+@pytest.mark.parametrize("m, k, n, epilogue, tuning", [
+    (64, 7168, 36864, "silu_mul", dict(row_wgs=2)),    # two row warpgroups (256-row tiles)
+    (32, 1024, 36864, None, dict(row_wgs=2)),          # two row warpgroups, plain
+    (8, 7168, 10240, None, dict(l2_prefetch=0)),       # no L2 prefetch
+    (8, 7168, 10240, None, dict(l2_prefetch=16)),
+])
+def test_ptx_tuning_variants(m, k, n, epilogue, tuning):
+    cfg = GemmConfig(m, k, n, epilogue, **tuning)
+    _check_ptx(gemm.linear_ptx(m, k, n, epilogue, **tuning), cfg)
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 7])

@@ -66,10 +66,9 @@ def test_refuses_pdl_edge_into_a_kernel_that_never_waits(tiny):
 
 def test_refuses_a_chain_of_early_triggers_hiding_an_incomplete_writer(tiny):
     s = build_schedule(tiny, GEMM)
-    # Let silu_mul wait and trigger early too: gate_up -> silu_mul -> down become one chain
-    # of early triggers behind L00.attn_res.mlp, the writer of prefix@2.
-    early = PdlTraits(True, "early", (), True)
-    s = s.with_kernel("L00.mlp.silu_mul", traits=early, edge="pdl")
+    # With the decode GEMM, gate_up (silu * up fused) -> down is one chain of early triggers
+    # behind L00.attn_res.mlp, the writer of prefix@2.
+    assert [s.kernel(n).edge for n in ("L00.mlp.gate_up", "L00.mlp.down")] == ["pdl", "pdl"]
     assert verify(s) == []
     # Now L01.attn_res.attn also reads the prefix before its wait: its writer may still run.
     reads_prefix = PdlTraits(True, "early", ("blocks", "prefix"), True)
@@ -81,7 +80,7 @@ def test_refuses_a_chain_of_early_triggers_hiding_an_incomplete_writer(tiny):
     assert "L00.attn_res.mlp" in refusal.message
     # A late trigger in the chain proves the writer complete again.
     late = PdlTraits(True, "late", (), True)
-    assert verify(unsafe.with_kernel("L00.mlp.silu_mul", traits=late, edge="pdl")) == []
+    assert verify(unsafe.with_kernel("L00.mlp.down", traits=late, edge="pdl")) == []
 
 
 def test_prefix_in_the_prologue_is_safe_behind_library_kernels(tiny):

@@ -12,7 +12,7 @@ from graphc.schedule import build_schedule
 pytestmark = pytest.mark.gpu
 
 
-TORCH = {"attn_res": "torch", "decode_attention": "torch", "silu_mul": "torch", "linear": "cublas"}
+TORCH = {"attn_res": "torch", "decode_attention": "torch", "linear": "cublas"}
 
 
 def reference_twin(step, implementations=None):

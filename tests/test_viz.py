@@ -302,15 +302,15 @@ def test_html_is_self_contained(tiny, tiny_cute):
         assert "<img" not in text.lower()
 
 
-def test_html_747_kernels(big, tmp_path):
+def test_html_654_kernels(big, tmp_path):
     path = viz.write_schedule_html(big, tmp_path / "big.html")
     p = _parse(path.read_text(encoding="utf-8"))
-    assert len(_kernel_elements(p)) == len(big.kernels) == 747
+    assert len(_kernel_elements(p)) == len(big.kernels) == 654
     # scrolls: bars keep their nominal width instead of shrinking to fit
     widths = {float(a["data-width"]) for a in _kernel_elements(p)}
     assert widths == {viz._UNIT_PX}
     measured = viz.schedule_html(big, _profile(big, starts=False))
-    assert len(re.findall(r' data-node="', measured)) == 747
+    assert len(re.findall(r' data-node="', measured)) == 654
 
 
 # --- dispatch ---------------------------------------------------------------------------------

@@ -1,49 +1,16 @@
-"""Small ops with no weights of their own: the MLP's silu(gate)·up and the token embedding."""
+"""The token embedding: a row gather from the embedding table."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .base import LIBRARY_KERNEL, Implementation, Op
 
 
 def _launch_reference(op, t, w, stream, use_pdl):
     op.reference(t, w)
-
-
-def _launch_triton_silu_mul(op, t, w, stream, use_pdl):
-    from graphc.kernels.silu_mul import silu_mul
-
-    silu_mul(t["x"], t["out"])
-
-
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-@dataclass(eq=False)
-class SiluMulOp(Op):
-    """out = bf16(silu(gate) * up) over the two halves of the fused gate_up projection."""
-
-    kind = "silu_mul"
-    implementations = {
-        "triton": Implementation("triton", LIBRARY_KERNEL, _launch_triton_silu_mul,
-                                 available=_triton_available),
-        "torch": Implementation("torch", LIBRARY_KERNEL, _launch_reference),
-    }
-    intermediate: int = 0
-
-    def params(self):
-        return {"intermediate": self.intermediate}
-
-    def reference(self, t, w):
-        gate_up = t["x"].float()
-        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate:]
-        t["out"].copy_((F.silu(gate) * up).to(torch.bfloat16))
 
 
 @dataclass(eq=False)

@@ -1,5 +1,10 @@
 """Linear layers: ``y[T, N] = x[T, K] @ W[N, K]^T`` (bf16 in/out, fp32 accumulation).
 
+With ``epilogue="silu_mul"`` (the MLP's gate_up projection, W = [gate; up]) the op's output
+is ``silu(g) * u`` of the two halves, so the MLP is two ops: the decode GEMM computes it in
+its epilogue from the fp32 accumulators; cuBLAS writes the bf16 projection into the op's
+``scratch`` buffer and one Triton kernel applies silu * up (two kernels, one op).
+
 cuBLAS (through torch) cannot execute ``griddepcontrol.wait``, so the scheduler may enter it
 only through a full edge. The CuTe DSL decode GEMM streams its weights before the wait.
 
@@ -15,12 +20,29 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits
 
 
+def _silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """out = bf16(silu(gate) * up) over the two halves of the bf16 projection, math in fp32."""
+    if gate_up.is_cuda and importlib.util.find_spec("triton") is not None:
+        from graphc.kernels.silu_mul import silu_mul
+
+        silu_mul(gate_up, out)
+        return
+    i = out.shape[1]
+    y = gate_up.float()
+    out.copy_((F.silu(y[:, :i]) * y[:, i:]).to(out.dtype))
+
+
 def _launch_cublas(op: "LinearOp", t, w, stream, use_pdl: bool) -> None:
-    torch.matmul(t["x"], w["weight"].t(), out=t["out"])
+    if op.epilogue is None:
+        torch.matmul(t["x"], w["weight"].t(), out=t["out"])
+    else:
+        torch.matmul(t["x"], w["weight"].t(), out=t["scratch"])
+        _silu_mul(t["scratch"], t["out"])
 
 
 def _decode_gemm_traits() -> PdlTraits:
@@ -60,11 +82,26 @@ class LinearOp(Op):
         return {"weight": (self.weight_name or f"{self.name}.weight", (self.n, self.k))}
 
     def params(self):
-        return {"k": self.k, "n": self.n}
+        return {"k": self.k, "n": self.n, **({"epilogue": self.epilogue} if self.epilogue else {})}
 
     def reference(self, t, w):
-        y = t["x"].float() @ w["weight"].float().t()
-        t["out"].copy_(y.to(t["out"].dtype))
+        y = (t["x"].float() @ w["weight"].float().t()).to(torch.bfloat16)
+        if self.epilogue is None:
+            t["out"].copy_(y)
+        else:
+            # The unfused semantics: the bf16 projection, then silu(gate) * up in fp32.
+            t["scratch"].copy_(y)
+            _silu_mul(y, t["out"])
+
+    def bytes_moved(self, sizes):
+        # x once, the weights once, the output once; ``scratch`` only exists on the cuBLAS
+        # path and is not a byte the op must move.
+        T = sizes["T"]
+        return T * self.k * 2 + self.weight_bytes() + T * self.n_out * 2
+
+    @property
+    def n_out(self) -> int:
+        return self.n // 2 if self.epilogue == "silu_mul" else self.n
 
     def flops(self, sizes):
         return 2 * sizes["T"] * self.k * self.n
