@@ -1,13 +1,14 @@
 """Time the Triton split-KV decode attention against its HBM floor for a few tilings.
 
     python3 bench/decode_attention.py        # Kimi K3 attention: 64 heads, 8 KV heads, dim 128
+    python3 bench/decode_attention.py --rows 64 --chunk 256,512 --warps 4,8 --no-fp32
 
 ``pv`` is the p @ V product: ``fp32`` exact FMAs, ``bf16`` tensor cores with p rounded to
 bf16. Every configuration is checked against the torch reference (``err``: max abs error of
 the output) before it is timed.
 """
+import argparse
 import itertools
-import math
 
 import torch
 
@@ -15,13 +16,27 @@ from graphc.bench import time_replays
 from graphc.kernels.decode_attention import decode_attention
 from graphc.ops.attention import DecodeAttentionOp
 
+def _ints(text):
+    return [int(v) for v in text.split(",")]
+
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--rows", type=_ints, default=[1, 8, 64])
+ap.add_argument("--chunk", type=_ints, default=[64, 128, 256])
+ap.add_argument("--block-n", type=_ints, default=[32, 64, 128])
+ap.add_argument("--warps", type=_ints, default=[4])
+ap.add_argument("--stages", type=_ints, default=[2, 3, 4])
+ap.add_argument("--no-fp32", action="store_true", help="skip the two fp32 p @ V reference rows")
+args = ap.parse_args()
+
 H, KV, HD, C = 64, 8, 128, 2048
-CONFIGS = [(64, 32, 4, 3, False), (256, 32, 4, 3, False)] + [
-    (chunk, bn, 4, stages, True)
-    for chunk, bn, stages in itertools.product([64, 128, 256], [32, 64, 128], [2, 3, 4]) if bn <= chunk]
+CONFIGS = ([] if args.no_fp32 else [(64, 32, 4, 3, False), (256, 32, 4, 3, False)]) + [
+    (chunk, bn, warps, stages, True)
+    for chunk, bn, warps, stages in itertools.product(args.chunk, args.block_n, args.warps, args.stages)
+    if bn <= chunk]
 op = DecodeAttentionOp(name="attn", heads=H, kv_heads=KV, head_dim=HD, max_context=C)
 print(f"{'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>5} {'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8}")
-for T, ctx in [(1, 1024), (8, 1024), (64, 1024)]:
+for T, ctx in [(t, 1024) for t in args.rows]:
     qkv = torch.randn(T, (H + 2 * KV) * HD, device="cuda").to(torch.bfloat16)
     kvs = [torch.randn(T + 1, C, 2, KV, HD, device="cuda").to(torch.bfloat16) for _ in range(2)]
     lens = torch.full((T,), ctx - 1, device="cuda", dtype=torch.int32)

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 H200_SMS = 132
-STEP_BATCH_SIZES = (1, 2, 3, 5, 8, 16)     # step tests and `graphc bench` at <= DECODE_GEMM_MAX_BATCH
+STEP_BATCH_SIZES = (1, 2, 3, 4, 5, 8, 16)  # step tests, `graphc bench`, `graphc build` at <= 16 rows
 
 
 def spec_linear_shapes() -> set[tuple]:

@@ -80,7 +80,7 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
     rows = bench_step(spec, batch_sizes, context, step=step)
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "spec": str(spec_path), "context": context,
-              "implementations": {b: step.schedules[b].implementations() for b in batch_sizes},
+              "implementations": {b: step.schedules[b].implementation_summary() for b in batch_sizes},
               "rows": rows}
     if compare:
         for r in rows:

@@ -87,7 +87,7 @@ def cmd_build(args) -> int:
     _say(f"  kernels {len(schedule.kernels)}, weights {wbytes / 1e9:.2f} GB")
     for group, s in _groups(schedules):
         _say(f"  batch {', '.join(map(str, group))}: {len(s.pdl_edges())} PDL edges; "
-             + ", ".join(f"{kind} {impl}" for kind, impl in s.implementations().items()))
+             + ", ".join(f"{kind} {impl}" for kind, impl in s.implementation_summary().items()))
     _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")
     for b in args.batch_sizes:
         _say(f"    batch {b:4d}: {step_floor_s(schedule, b, ctx) * 1e6:10.1f} us")

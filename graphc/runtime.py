@@ -151,7 +151,7 @@ class DecodeStep:
         return {size: {"capture_s": g.capture_s, "graph_memory_bytes": g.memory_bytes,
                        "kernels": g.kernel_nodes, "pdl_edges": g.pdl_edges,
                        "schedule_pdl_edges": len(self.schedules[size].pdl_edges()),
-                       "implementations": self.schedules[size].implementations()}
+                       "implementations": self.schedules[size].implementation_summary()}
                 for size, g in sorted(self.graphs.items())}
 
     def profile(self, batch: int, path: str | os.PathLike | None = None,
@@ -226,7 +226,7 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
         from .capture import capture_all
 
         for b, s in schedules.items():
-            progress(f"batch {b}: " + ", ".join(f"{kind} {impl}" for kind, impl in s.implementations().items())
+            progress(f"batch {b}: " + ", ".join(f"{kind} {impl}" for kind, impl in s.implementation_summary().items())
                      + f"; {len(s.pdl_edges())} PDL edges")
         graphs = capture_all(plan, schedules, progress)
     return DecodeStep(schedules, plan, graphs)

@@ -82,7 +82,17 @@ class Schedule:
         return Schedule(self.graph, kernels)
 
     def implementations(self) -> dict[str, str]:
-        return {k.op.kind: k.impl for k in self.kernels}
+        """Node -> implementation: exactly what runs (``build_schedule`` takes it back)."""
+        return {k.node: k.impl for k in self.kernels}
+
+    def implementation_summary(self) -> dict[str, str]:
+        """Op kind -> its implementations in order of first use, e.g. ``"cute/cublas"``."""
+        kinds: dict[str, list[str]] = {}
+        for k in self.kernels:
+            seen = kinds.setdefault(k.op.kind, [])
+            if k.impl not in seen:
+                seen.append(k.impl)
+        return {kind: "/".join(impls) for kind, impls in kinds.items()}
 
 
 # --- the rule ---------------------------------------------------------------------------------
@@ -163,8 +173,9 @@ def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None 
                    use_pdl: bool = True, batch: int | None = None) -> Schedule:
     """Program order; a pdl edge into every kernel whose PDL rule holds, full otherwise.
 
-    ``implementations`` maps an op kind to an implementation name; other ops get their default
-    at this captured ``batch`` size (``Op.default_implementation``). Each batch size may
+    ``implementations`` maps a node name or an op kind to an implementation name (the node's
+    entry wins); other ops get their default at this captured ``batch`` size
+    (``Op.default_implementation``). Each batch size may
     therefore get a different schedule: the same kernels in the same order, with other
     implementations and so other edges.
     """
@@ -172,7 +183,7 @@ def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None 
     kernels: list[Launch] = []
     producer: dict[str, int] = {}
     for i, op in enumerate(ops_in_order(graph)):
-        impl = chosen.get(op.kind) or op.default_implementation(batch)
+        impl = chosen.get(op.name) or chosen.get(op.kind) or op.default_implementation(batch)
         if impl not in op.implementations:
             raise GraphcError(f"{op.name}: no implementation {impl!r} of {op.kind} "
                               f"(have {', '.join(op.implementations)})")

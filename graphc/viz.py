@@ -584,7 +584,7 @@ def schedule_html(schedule, profile: Mapping[str, Any] | None = None, *,
                                   measured, x_idx, x_name, x_meta, x_pill, track_x0))
 
     # --- header ---------------------------------------------------------------------------
-    impls = ", ".join(f"{kind}: {impl}" for kind, impl in schedule.implementations().items()) \
+    impls = ", ".join(f"{kind}: {impl}" for kind, impl in schedule.implementation_summary().items()) \
         if hasattr(schedule, "implementations") else ""
     stats = [(str(len(kernels)), "kernels"), (str(n_pdl), "PDL edges"),
              (str(len(kernels) - n_pdl), "full edges")]

@@ -119,3 +119,32 @@ def test_unsafe_schedule_error_lists_every_refusal(tiny):
     s = build_schedule(tiny).with_kernel("L00.attn.qkv", edge="pdl").with_kernel("L01.attn.qkv", edge="pdl")
     err = UnsafeSchedule(verify(s))
     assert "L00.attn.qkv" in str(err) and "L01.attn.qkv" in str(err)
+
+
+def test_linear_implementation_follows_the_measured_crossover():
+    """Each captured batch size gets its own schedule: the decode GEMM where it was measured
+    faster than cuBLAS (every linear up to 16 rows; gate_up and down up to 64), cuBLAS
+    elsewhere and when no batch size is known. A node-name entry overrides the kind's."""
+    from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
+
+    if not LinearOp.implementations["cute"].available():
+        pytest.skip("CuTe DSL is not installed: cuBLAS everywhere")
+    g = build_graph(load_spec("layer_specs/kimi_k3_dense_8l.yaml"))
+
+    def linear_impls(schedule):
+        return {k.node: k.impl for k in schedule.kernels if k.op.kind == "linear"}
+
+    assert set(linear_impls(build_schedule(g)).values()) == {"cublas"}
+    assert set(linear_impls(build_schedule(g, batch=DECODE_GEMM_MAX_BATCH)).values()) == {"cute"}
+    at64 = build_schedule(g, batch=64)
+    impls = linear_impls(at64)
+    assert impls["L03.mlp.gate_up"] == impls["L03.mlp.down"] == "cute"
+    assert impls["L03.attn.qkv"] == impls["L03.attn.o_proj"] == impls["lm_head"] == "cublas"
+    assert at64.implementation_summary()["linear"] == "cublas/cute"
+    assert at64.kernel("L03.mlp.gate_up").edge == "pdl"        # behind AttnRes
+    assert at64.kernel("L03.attn.qkv").edge == "full"          # cuBLAS never waits
+    assert build_schedule(g, batch=128).kernel("L03.mlp.down").impl == "cublas"
+    # The exact per-node mapping rebuilds the same schedule; a node entry beats its kind's.
+    assert build_schedule(g, at64.implementations()).implementations() == at64.implementations()
+    pinned = build_schedule(g, {"linear": "cute", "lm_head": "cublas"}, batch=64)
+    assert pinned.kernel("L03.attn.qkv").impl == "cute" and pinned.kernel("lm_head").impl == "cublas"

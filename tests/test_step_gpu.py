@@ -75,12 +75,12 @@ def test_kimi_8l_four_steps_against_reference(step8l, batch):
     """
     ref = reference_twin(step8l)
     swaps = [reference_twin(step8l, {"decode_attention": "triton"}), reference_twin(step8l, {"attn_res": "cute"})]
-    eager = reference_twin(step8l, step8l.schedule.implementations())
+    size = step8l.padded_size(batch)
+    eager = reference_twin(step8l, step8l.schedule_for(batch).implementations())
     gen = torch.Generator().manual_seed(batch)
     step8l.reset()
     start = torch.randint(0, 40, (batch,), generator=gen, dtype=torch.int32).cuda()
     slots = torch.randperm(32, generator=gen)[:batch].to(torch.int32).cuda()
-    size = step8l.padded_size(batch)
     for s in range(4):
         tokens = torch.randint(0, 163840, (batch,), generator=gen).cuda()
         got = step8l(tokens, start + s, slots).clone()

@@ -84,22 +84,12 @@ class Implementation:
 
     ``launch(op, tensors, weights, stream, use_pdl)`` enqueues the work on ``stream``; its
     first call (compilation, workspace allocation) happens in the warm-up, outside capture.
-    ``max_batch``: the largest batch size this implementation is the default for (None: any),
-    where a measurement showed another one faster beyond it.
     """
 
     name: str
     traits: PdlTraits
     launch: Callable
     available: Callable[[], bool] = lambda: True
-    max_batch: int | None = None
-
-    def default_for(self, batch: int | None) -> bool:
-        """Whether this is a candidate default at ``batch`` (None: no batch size known, so
-        only implementations without a batch limit qualify)."""
-        if self.max_batch is None:
-            return True
-        return batch is not None and batch <= self.max_batch
 
 
 @dataclass(eq=False)
@@ -148,9 +138,10 @@ class Op:
         return self.implementations[impl].traits
 
     def default_implementation(self, batch: int | None = None) -> str:
-        """The first available implementation that is a default at this batch size."""
+        """The implementation a captured ``batch`` size gets (None: no batch size known): the
+        first available one. Ops whose best implementation depends on the batch override it."""
         for name, impl in self.implementations.items():
-            if impl.default_for(batch) and impl.available():
+            if impl.available():
                 return name
         raise RuntimeError(f"no implementation of {self.kind} is available")
 

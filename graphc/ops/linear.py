@@ -11,7 +11,8 @@ only through a full edge. The CuTe DSL decode GEMM streams its weights before th
 Which one a captured batch size gets by default was measured (bench/gemm.py on an H200,
 bench/gemm_notes.md): the decode GEMM streams the weights faster than cuBLAS up to
 ``DECODE_GEMM_MAX_BATCH`` rows on every linear shape of the Kimi specs; above, cuBLAS's
-tiling wins on some shapes, so larger batch sizes keep cuBLAS.
+tiling wins on some shapes and loses on others, so the shapes measured faster at more rows
+are listed with their crossover (``DECODE_GEMM_CROSSOVER``) and the rest keep cuBLAS.
 """
 
 from __future__ import annotations
@@ -62,15 +63,23 @@ def _decode_gemm_available() -> bool:
 
 
 DECODE_GEMM_MAX_BATCH = 16
+# (K, N, epilogue) -> the largest batch size at which the decode GEMM was measured faster
+# than cuBLAS (bench/results/gemm_NVIDIA_H200_2026-11-30_b.json, M in 1..64): the MLP's
+# gate_up with its fused silu * up (136.0 us vs 149.8 for cuBLAS + the activation kernel at
+# M = 64) and down (73.6 vs 77.1). qkv and o_proj lose from M = 32 (1.04x, 1.09x).
+DECODE_GEMM_CROSSOVER = {
+    (7168, 36864, "silu_mul"): 64,
+    (18432, 7168, None): 64,
+}
 
 
 @dataclass(eq=False)
 class LinearOp(Op):
     kind = "linear"
     implementations = {
-        "cute": Implementation("cute", _decode_gemm_traits(), _launch_decode_gemm,
-                               available=_decode_gemm_available, max_batch=DECODE_GEMM_MAX_BATCH),
         "cublas": Implementation("cublas", LIBRARY_KERNEL, _launch_cublas),
+        "cute": Implementation("cute", _decode_gemm_traits(), _launch_decode_gemm,
+                               available=_decode_gemm_available),
     }
 
     k: int = 0
@@ -80,6 +89,18 @@ class LinearOp(Op):
 
     def weight_shapes(self):
         return {"weight": (self.weight_name or f"{self.name}.weight", (self.n, self.k))}
+
+    def decode_gemm_max_batch(self) -> int:
+        """Up to which captured batch size the decode GEMM is this op's default."""
+        return DECODE_GEMM_CROSSOVER.get((self.k, self.n, self.epilogue), DECODE_GEMM_MAX_BATCH)
+
+    def default_implementation(self, batch: int | None = None) -> str:
+        """The decode GEMM at batch sizes where it was measured faster (and CuTe DSL is
+        installed), cuBLAS otherwise and when no batch size is known."""
+        cute = self.implementations["cute"]
+        if batch is not None and batch <= self.decode_gemm_max_batch() and cute.available():
+            return "cute"
+        return "cublas"
 
     def params(self):
         return {"k": self.k, "n": self.n, **({"epilogue": self.epilogue} if self.epilogue else {})}
