@@ -27,6 +27,9 @@ ap.add_argument("--block-n", type=_ints, default=[32, 64, 128])
 ap.add_argument("--warps", type=_ints, default=[4])
 ap.add_argument("--stages", type=_ints, default=[2, 3, 4])
 ap.add_argument("--no-fp32", action="store_true", help="skip the two fp32 p @ V reference rows")
+ap.add_argument("--layouts", default="head-major",
+                help="KV cache storage, comma-separated: head-major ([slot, 2, head, pos, dim], "
+                     "graphc's) and/or position-major ([slot, pos, 2, head, dim])")
 args = ap.parse_args()
 
 H, KV, HD, C = 64, 8, 128, 2048
@@ -35,10 +38,21 @@ CONFIGS = ([] if args.no_fp32 else [(64, 32, 4, 3, False), (256, 32, 4, 3, False
     for chunk, bn, warps, stages in itertools.product(args.chunk, args.block_n, args.warps, args.stages)
     if bn <= chunk]
 op = DecodeAttentionOp(name="attn", heads=H, kv_heads=KV, head_dim=HD, max_context=C)
-print(f"{'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>5} {'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8}")
-for T, ctx in [(t, 1024) for t in args.rows]:
+print(f"{'layout':>13} {'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>5} "
+      f"{'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8}")
+
+
+def cache(T: int, layout: str) -> torch.Tensor:
+    """A random [slots, 2, KV, C, HD] cache stored head-major, or position-major (a view)."""
+    if layout == "head-major":
+        return torch.randn(T + 1, 2, KV, C, HD, device="cuda").to(torch.bfloat16)
+    return torch.randn(T + 1, C, 2, KV, HD, device="cuda").to(torch.bfloat16).permute(0, 2, 3, 1, 4)
+
+
+for layout, T in itertools.product(args.layouts.split(","), args.rows):
+    ctx = 1024
     qkv = torch.randn(T, (H + 2 * KV) * HD, device="cuda").to(torch.bfloat16)
-    kvs = [torch.randn(T + 1, C, 2, KV, HD, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    kvs = [cache(T, layout) for _ in range(2)]
     lens = torch.full((T,), ctx - 1, device="cuda", dtype=torch.int32)
     slots = torch.arange(T, device="cuda", dtype=torch.int32)
     out = torch.empty(T, H * HD, device="cuda", dtype=torch.bfloat16)
@@ -48,8 +62,8 @@ for T, ctx in [(t, 1024) for t in args.rows]:
     op.reference({"qkv": qkv, "kv": ref_kv, "seq_lens": lens, "cache_slots": slots, "out": ref_out}, {})
     for chunk, bn, warps, stages, pv_bf16 in CONFIGS:
         def run(kv=kvs):
-            for cache in kv:
-                decode_attention(qkv, cache, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD,
+            for cache_ in kv:
+                decode_attention(qkv, cache_, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD,
                                  chunk=chunk, block_n=bn, num_warps=warps, num_stages=stages,
                                  pv_bf16=pv_bf16)
         out.fill_(float("nan"))
@@ -61,5 +75,6 @@ for T, ctx in [(t, 1024) for t in args.rows]:
             for _ in range(5):
                 run()
         t = time_replays(g.replay, 3, 20) / 10
-        print(f"{T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} {'bf16' if pv_bf16 else 'fp32':>5} "
-              f"{t * 1e6:8.1f} {floor * 1e6:9.1f} {t / floor:6.2f} {err:8.1e}", flush=True)
+        print(f"{layout:>13} {T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} "
+              f"{'bf16' if pv_bf16 else 'fp32':>5} {t * 1e6:8.1f} {floor * 1e6:9.1f} {t / floor:6.2f} {err:8.1e}",
+              flush=True)

@@ -106,7 +106,9 @@ def build_graph(spec: Spec) -> nx.DiGraph:
         h = residual(f"{p}.{res_name}.attn", incoming, nb=nb_before, has_delta=l > 0,
                      write=l // S if start else -1)
         qkv = linear(f"{p}.attn.qkv", h, D, at.qkv_dim)
-        kv = b.buffer(f"{p}.kv", ("slots", m.max_context, 2, at.kv_heads, at.head_dim), kind="state")
+        # Head-major KV cache: one (slot, K|V, head) is a contiguous [max_context, head_dim]
+        # run, so attention streams each head's cached tokens as one block of memory.
+        kv = b.buffer(f"{p}.kv", ("slots", 2, at.kv_heads, m.max_context, at.head_dim), kind="state")
         attn = b.add(DecodeAttentionOp(
             f"{p}.attn.attention",
             reads={"qkv": qkv, "kv": b.current[kv.name], "seq_lens": Value(seq_lens),

@@ -119,9 +119,10 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
                      head_dim: int, chunk: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int | None = None, pv_bf16: bool = PV_BF16) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
-    positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention. The tiling arguments
-    default to ``default_tiling(rows)``."""
-    T, C = qkv.shape[0], kv.shape[1]
+    positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention (kv: [slots, 2, kv_heads,
+    max_context, head_dim], any strides). The tiling arguments default to
+    ``default_tiling(rows)``."""
+    T, C = qkv.shape[0], kv.shape[3]
     tiled = default_tiling(T)
     chunk = chunk or tiled[0]
     block_n = block_n or tiled[1]
@@ -134,9 +135,11 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
                             torch.empty(T * heads * nsplit, device=qkv.device),
                             torch.empty(T * heads * nsplit * head_dim, device=qkv.device))
     m_ws, l_ws, acc_ws = _workspaces[key]
+    # Any strides work (kv is [slots, 2, kv_heads, max_context, head_dim] logically); graphc's
+    # cache is head-major and contiguous, so a program reads one contiguous run per K and V.
     _partial[(T, kv_heads, nsplit)](
         qkv, kv, seq_lens, cache_slots, m_ws, l_ws, acc_ws, qkv.stride(0), kv.stride(0),
-        kv.stride(1), kv.stride(2), kv.stride(3), 1.0 / math.sqrt(head_dim),
+        kv.stride(3), kv.stride(1), kv.stride(2), 1.0 / math.sqrt(head_dim),
         H=heads, KV=kv_heads, G=G, GP=max(16, triton.next_power_of_2(G)), HD=head_dim,
         CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, PV_BF16=pv_bf16, num_warps=num_warps,
         num_stages=num_stages)

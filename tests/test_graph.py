@@ -60,7 +60,7 @@ def test_shapes_are_functions_of_the_batch(tiny):
     blocks = tiny.graph["buffers"]["blocks"]
     assert blocks.shape({"T": 3}) == (3, 2, 1024)
     kv = tiny.graph["buffers"]["L00.kv"]
-    assert kv.shape({"T": 3, "slots": 9}) == (9, 256, 2, 2, 128)
+    assert kv.shape({"T": 3, "slots": 9}) == (9, 2, 2, 256, 128)   # head-major
     assert tiny.edges["L01.attn.qkv", "L01.attn.attention"]["values"] == ["L01.attn.qkv.out"]
 
 

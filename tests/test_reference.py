@@ -52,7 +52,7 @@ def test_executor_matches_eager_model_over_four_steps(batch, residual):
         for row in range(batch):
             n, s = int(lens[row]), int(slots[row])
             hist = (torch.randn(n, 2, at.kv_heads, at.head_dim, generator=gen)).to(torch.bfloat16)
-            kv[s, :n] = hist
+            kv[s, :, :, :n] = hist.permute(1, 2, 0, 3)
             oracle.preload(layer.index, s, hist[:, 0], hist[:, 1])
     for step in range(4):
         tokens = torch.randint(0, spec.model.vocab, (batch,), generator=gen)

@@ -137,10 +137,13 @@ def test_decode_attention_kernel_against_reference():
 
     spec = load_spec("layer_specs/kimi_k3_dense_8l.yaml")
     op = build_graph(spec).nodes["L00.attn.attention"]["op"]
-    for T, maxlen in [(1, 0), (3, 700), (8, 2000), (64, 1030)]:
+    for T, maxlen, head_major in [(1, 0, True), (3, 700, True), (8, 2000, True), (64, 1030, True),
+                                  (5, 900, False)]:
         gen = torch.Generator(device="cuda").manual_seed(T)
         qkv = torch.randn(T, (64 + 16) * 128, generator=gen, device="cuda").to(torch.bfloat16)
-        kv = torch.randn(T + 1, 2048, 2, 8, 128, generator=gen, device="cuda").to(torch.bfloat16)
+        kv = torch.randn(T + 1, 2, 8, 2048, 128, generator=gen, device="cuda").to(torch.bfloat16)
+        if not head_major:     # the same logical cache stored position-major: strides only
+            kv = kv.permute(0, 3, 1, 2, 4).contiguous().permute(0, 2, 3, 1, 4)
         lens = torch.randint(0, maxlen + 1, (T,), generator=gen, device="cuda", dtype=torch.int32)
         slots = torch.randperm(T + 1, device="cuda")[:T].to(torch.int32)
         want_kv, got_kv = kv.clone(), kv.clone()

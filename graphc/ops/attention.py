@@ -3,7 +3,8 @@
 Each row ``t`` of the batch is one sequence living in cache slot ``cache_slots[t]`` with
 ``seq_lens[t]`` tokens already cached. The op appends the row's new K/V at position
 ``seq_lens[t]`` and attends over positions ``0 ..= seq_lens[t]``. The KV cache is a state
-buffer ``[slots, max_context, 2, kv_heads, head_dim]``; the append is a new version of it.
+buffer ``[slots, 2 (K, V), kv_heads, max_context, head_dim]`` (head-major: each head's cached
+tokens are contiguous); the append is a new version of it.
 (No rotary embedding: the specs describe none.)
 """
 
@@ -55,17 +56,17 @@ class DecodeAttentionOp(Op):
     def reference(self, t, w):
         H, KV, hd = self.heads, self.kv_heads, self.head_dim
         qkv, kv = t["qkv"], t["kv"]
-        T, C = qkv.shape[0], kv.shape[1]
+        T, C = qkv.shape[0], kv.shape[3]
         slots, pos = t["cache_slots"].long(), t["seq_lens"].long()
         q = qkv[:, : H * hd].reshape(T, KV, H // KV, hd).float()
-        kv[slots, pos, 0] = qkv[:, H * hd:(H + KV) * hd].reshape(T, KV, hd)
-        kv[slots, pos, 1] = qkv[:, (H + KV) * hd:].reshape(T, KV, hd)
-        keys, vals = kv[slots, :, 0].float(), kv[slots, :, 1].float()        # [T, C, KV, hd]
-        scores = torch.einsum("tkgd,tckd->tkgc", q, keys) / math.sqrt(hd)
+        kv[slots, 0, :, pos] = qkv[:, H * hd:(H + KV) * hd].reshape(T, KV, hd)
+        kv[slots, 1, :, pos] = qkv[:, (H + KV) * hd:].reshape(T, KV, hd)
+        keys, vals = kv[slots, 0].float(), kv[slots, 1].float()              # [T, KV, C, hd]
+        scores = torch.einsum("tkgd,tkcd->tkgc", q, keys) / math.sqrt(hd)
         beyond = torch.arange(C, device=qkv.device)[None, :] > pos[:, None]  # [T, C]
         scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        out = torch.einsum("tkgc,tckd->tkgd", p, vals).reshape(T, H * hd)
+        out = torch.einsum("tkgc,tkcd->tkgd", p, vals).reshape(T, H * hd)
         t["out"].copy_(out.to(torch.bfloat16))
 
     def bytes_moved(self, sizes):
