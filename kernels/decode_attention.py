@@ -4,10 +4,11 @@ A library-style kernel (no PDL wait), entered through full edges. It is Triton r
 CuTe DSL because attention is not where graphc's gains are; what matters here is that the
 cost follows the real context length instead of the cache's ``max_context``.
 
-Pass 1, grid (rows, kv heads, splits): each program takes one KV head's query group over
+One kernel, grid (rows, kv heads, splits): each program takes one KV head's query group over
 ``chunk`` cached positions with an online softmax and writes (max, sum, acc) partials; split 0
 also folds in the new token (straight from qkv) and appends its K/V at position seq_len, a
-position no other program reads. Pass 2, grid (rows, heads): combines the splits.
+position no other program reads. The last split of a (row, KV head) to finish combines the
+partials and writes the output (an arrival counter; no second kernel, no second launch gap).
 
 Both products run on tensor cores: q @ K^T in bf16, and p @ V with the probabilities rounded
 to bf16 (relative 2^-9, as FlashAttention does); the softmax statistics and the accumulator
@@ -32,19 +33,19 @@ def default_tiling(rows: int) -> tuple[int, int, int]:
     1024, bench/results/decode_attention_sweep_*): few rows want many small programs in
     flight, 64 rows want long chunks that amortise the split combine."""
     if rows <= 4:
-        return 64, 64, 2       # 6.6 us at 1 row (fp32 p @ V, chunk 64: 8.2)
+        return 64, 64, 2       # 6.0 us at 1 row (fp32 p @ V, chunk 64: 8.2)
     if rows <= 16:
-        return 128, 64, 2      # 16.4 us at 8 rows (fp32: 28.7)
-    return 256, 32, 3          # 89.4 us at 64 rows (fp32: 146.9; floor 62.4)
+        return 128, 64, 2      # 16.6 us at 8 rows (fp32: 28.7)
+    return 512, 64, 2          # 84.8 us at 64 rows (fp32: 146.9; floor 62.4)
 _workspaces: dict = {}
 
 
 @triton.jit
-def _partial(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, stride_t, stride_slot, stride_pos,
-             stride_kind, stride_head, scale,
-             H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-             HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-             PV_BF16: tl.constexpr):
+def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stride_t, stride_slot,
+              stride_pos, stride_kind, stride_head, stride_out, scale,
+              H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+              HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+              NP: tl.constexpr, PV_BF16: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -92,27 +93,39 @@ def _partial(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, stride_t, stride_slot
         tl.store(base + L.to(tl.int64) * stride_pos + d, kn)
         tl.store(base + stride_kind + L.to(tl.int64) * stride_pos + d, vn)
     heads = t * H + kvh * G + g
-    tl.store(m_ws + heads * NSPLIT + s, m, mask=gmask)
-    tl.store(l_ws + heads * NSPLIT + s, l, mask=gmask)
-    tl.store(acc_ws + (heads * NSPLIT + s)[:, None] * HD + d[None, :], acc, mask=gmask[:, None])
-
-
-@triton.jit
-def _combine(m_ws, l_ws, acc_ws, out, stride_out, H: tl.constexpr, HD: tl.constexpr,
-             NSPLIT: tl.constexpr, NP: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.arange(0, NP)
-    d = tl.arange(0, HD)
-    smask = sp < NSPLIT
-    head = t * H + h
-    m = tl.load(m_ws + head * NSPLIT + sp, mask=smask, other=float("-inf"))
-    l = tl.load(l_ws + head * NSPLIT + sp, mask=smask, other=0.0)
-    acc = tl.load(acc_ws + (head * NSPLIT + sp)[:, None] * HD + d[None, :], mask=smask[:, None], other=0.0)
-    top = tl.max(m, 0)
-    w = tl.where(smask, tl.exp(m - top), 0.0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
-    tl.store(out + t.to(tl.int64) * stride_out + h * HD + d, o.to(tl.bfloat16))
+    out_ptrs = out + t.to(tl.int64) * stride_out + (kvh * G + g)[:, None] * HD + d[None, :]
+    if NSPLIT == 1:
+        tl.store(out_ptrs, (acc / l[:, None]).to(tl.bfloat16), mask=gmask[:, None])
+    else:
+        tl.store(m_ws + heads * NSPLIT + s, m, mask=gmask)
+        tl.store(l_ws + heads * NSPLIT + s, l, mask=gmask)
+        tl.store(acc_ws + (heads * NSPLIT + s)[:, None] * HD + d[None, :], acc, mask=gmask[:, None])
+        # The last split of this (row, KV head) to finish combines all of them: the counter's
+        # acq_rel add orders the other programs' partial stores before our loads, which go to
+        # L2 (.cg) so no stale L1 line is read. The sum runs over splits in index order, so
+        # the bits do not depend on which program came last. It resets the counter, leaving
+        # the workspace as it found it for the next launch (and graph replay).
+        tl.debug_barrier()          # every thread's partial stores precede the release
+        done = tl.atomic_add(counters + t * KV + kvh, 1, sem="acq_rel")
+        if done == NSPLIT - 1:
+            tl.debug_barrier()      # ... and the acquire precedes every thread's loads
+            sp = tl.arange(0, NP)
+            ms = tl.load(m_ws + heads[:, None] * NSPLIT + sp[None, :],
+                         mask=gmask[:, None] & (sp[None, :] < NSPLIT), other=float("-inf"),
+                         cache_modifier=".cg")
+            top = tl.max(ms, 1)
+            o = tl.zeros([GP, HD], tl.float32)
+            total = tl.zeros([GP], tl.float32)
+            for j in range(NSPLIT):
+                mj = tl.load(m_ws + heads * NSPLIT + j, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                lj = tl.load(l_ws + heads * NSPLIT + j, mask=gmask, other=0.0, cache_modifier=".cg")
+                aj = tl.load(acc_ws + (heads * NSPLIT + j)[:, None] * HD + d[None, :], mask=gmask[:, None],
+                             other=0.0, cache_modifier=".cg")
+                w = tl.where(gmask, tl.exp(mj - top), 0.0)
+                total += w * lj
+                o += w[:, None] * aj
+            tl.store(out_ptrs, (o / total[:, None]).to(tl.bfloat16), mask=gmask[:, None])
+            tl.store(counters + t * KV + kvh, 0)
 
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
@@ -129,19 +142,22 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
     num_stages = num_stages or tiled[2]
     G = heads // kv_heads
     nsplit = math.ceil(C / chunk)
-    key = (qkv.device, T, heads, nsplit, head_dim)
+    key = (qkv.device, T, heads, kv_heads, nsplit, head_dim)
     if key not in _workspaces:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_attention: first call at this shape happened during CUDA "
+                               "graph capture; call it once before capturing (warm-up)")
         _workspaces[key] = (torch.empty(T * heads * nsplit, device=qkv.device),
                             torch.empty(T * heads * nsplit, device=qkv.device),
-                            torch.empty(T * heads * nsplit * head_dim, device=qkv.device))
-    m_ws, l_ws, acc_ws = _workspaces[key]
+                            torch.empty(T * heads * nsplit * head_dim, device=qkv.device),
+                            torch.zeros(T * kv_heads, device=qkv.device, dtype=torch.int32))
+    m_ws, l_ws, acc_ws, counters = _workspaces[key]
     # Any strides work (kv is [slots, 2, kv_heads, max_context, head_dim] logically); graphc's
     # cache is head-major and contiguous, so a program reads one contiguous run per K and V.
-    _partial[(T, kv_heads, nsplit)](
-        qkv, kv, seq_lens, cache_slots, m_ws, l_ws, acc_ws, qkv.stride(0), kv.stride(0),
-        kv.stride(3), kv.stride(1), kv.stride(2), 1.0 / math.sqrt(head_dim),
+    _split_kv[(T, kv_heads, nsplit)](
+        qkv, kv, seq_lens, cache_slots, m_ws, l_ws, acc_ws, counters, out, qkv.stride(0),
+        kv.stride(0), kv.stride(3), kv.stride(1), kv.stride(2), out.stride(0),
+        1.0 / math.sqrt(head_dim),
         H=heads, KV=kv_heads, G=G, GP=max(16, triton.next_power_of_2(G)), HD=head_dim,
-        CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, PV_BF16=pv_bf16, num_warps=num_warps,
-        num_stages=num_stages)
-    _combine[(T, heads)](m_ws, l_ws, acc_ws, out, out.stride(0), H=heads, HD=head_dim,
-                         NSPLIT=nsplit, NP=triton.next_power_of_2(nsplit), num_warps=4)
+        CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, NP=triton.next_power_of_2(nsplit),
+        PV_BF16=pv_bf16, num_warps=num_warps, num_stages=num_stages)

@@ -137,8 +137,12 @@ def test_decode_attention_kernel_against_reference():
 
     spec = load_spec("layer_specs/kimi_k3_dense_8l.yaml")
     op = build_graph(spec).nodes["L00.attn.attention"]["op"]
-    for T, maxlen, head_major in [(1, 0, True), (3, 700, True), (8, 2000, True), (64, 1030, True),
-                                  (5, 900, False)]:
+    from graphc.kernels import decode_attention as module
+
+    for T, maxlen, head_major, chunk in [(1, 0, True, None), (3, 700, True, None), (8, 2000, True, None),
+                                         (64, 1030, True, None), (5, 900, False, None),
+                                         (4, 1500, True, 2048),     # one split: no combine
+                                         (2, 1900, True, 128)]:     # 16 splits
         gen = torch.Generator(device="cuda").manual_seed(T)
         qkv = torch.randn(T, (64 + 16) * 128, generator=gen, device="cuda").to(torch.bfloat16)
         kv = torch.randn(T + 1, 2, 8, 2048, 128, generator=gen, device="cuda").to(torch.bfloat16)
@@ -150,8 +154,14 @@ def test_decode_attention_kernel_against_reference():
         want = torch.full((T, 64 * 128), float("nan"), device="cuda", dtype=torch.bfloat16)
         got = want.clone()
         op.reference({"qkv": qkv, "kv": want_kv, "seq_lens": lens, "cache_slots": slots, "out": want}, {})
-        decode_attention(qkv, got_kv, lens, slots, got, heads=64, kv_heads=8, head_dim=128)
+        decode_attention(qkv, got_kv, lens, slots, got, heads=64, kv_heads=8, head_dim=128, chunk=chunk)
         assert torch.equal(got_kv, want_kv)
+        # The in-kernel combine leaves its arrival counters at zero, and a second launch over the
+        # same cache (the appended token rewritten with the same values) gives the same bits.
+        again = torch.full_like(got, float("nan"))
+        decode_attention(qkv, got_kv, lens, slots, again, heads=64, kv_heads=8, head_dim=128, chunk=chunk)
+        assert torch.equal(again, got)
+        assert all(int(ws[3].abs().sum()) == 0 for ws in module._workspaces.values())
         assert not torch.isnan(got).any()
         rel = (got.float() - want.float()).norm() / want.float().norm()
         assert rel < 1e-2, (T, rel)
