@@ -109,14 +109,17 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
         done = tl.atomic_add(counters + t * KV + kvh, 1, sem="acq_rel")
         if done == NSPLIT - 1:
             tl.debug_barrier()      # ... and the acquire precedes every thread's loads
+            # Only the splits that hold cached positions (NSPLIT covers max_context; the rest
+            # are empty: -inf, 0, 0) take part; split 0 always does (it holds the new token).
+            live = tl.maximum(tl.cdiv(L, CHUNK), 1)
             sp = tl.arange(0, NP)
             ms = tl.load(m_ws + heads[:, None] * NSPLIT + sp[None, :],
-                         mask=gmask[:, None] & (sp[None, :] < NSPLIT), other=float("-inf"),
+                         mask=gmask[:, None] & (sp[None, :] < live), other=float("-inf"),
                          cache_modifier=".cg")
             top = tl.max(ms, 1)
             o = tl.zeros([GP, HD], tl.float32)
             total = tl.zeros([GP], tl.float32)
-            for j in range(NSPLIT):
+            for j in range(live):
                 mj = tl.load(m_ws + heads * NSPLIT + j, mask=gmask, other=float("-inf"), cache_modifier=".cg")
                 lj = tl.load(l_ws + heads * NSPLIT + j, mask=gmask, other=0.0, cache_modifier=".cg")
                 aj = tl.load(acc_ws + (heads * NSPLIT + j)[:, None] * HD + d[None, :], mask=gmask[:, None],
