@@ -13,7 +13,8 @@ partials and writes the output (an arrival counter; no second kernel, no second 
 Both products run on tensor cores: q @ K^T in bf16, and p @ V with the probabilities rounded
 to bf16 (relative 2^-9, as FlashAttention does); the softmax statistics and the accumulator
 stay fp32. At 64 rows this took the kernel from 147 to 89 us per layer (context 1024, floor
-62 us), because the exact fp32 p @ V was compute-bound on CUDA cores.
+62 us), because the exact fp32 p @ V was compute-bound on CUDA cores; combining the splits in
+the kernel then took it to 73 us.
 """
 
 from __future__ import annotations
@@ -29,14 +30,18 @@ PV_BF16 = True     # p @ V on tensor cores with p rounded to bf16 (False: exact 
 
 def default_tiling(rows: int) -> tuple[int, int, int]:
     """(chunk, block_n, num_stages): cached positions per program, keys per loop step and
-    pipeline depth. Measured on an H200 with bf16 p @ V (bench/decode_attention.py, context
-    1024, bench/results/decode_attention_sweep_*): few rows want many small programs in
-    flight, 64 rows want long chunks that amortise the split combine."""
+    pipeline depth. Measured on an H200 (bench/decode_attention.py, context 1024,
+    bench/results/decode_attention_sweep_combined_*): few rows want more programs in flight,
+    many rows want long chunks (fewer partials for the last split to combine)."""
+    if rows <= 2:
+        return 128, 64, 3      # 8.3 us at 1 row
     if rows <= 4:
-        return 64, 64, 2       # 6.0 us at 1 row (fp32 p @ V, chunk 64: 8.2)
+        return 256, 64, 3      # 9.8 us at 4 rows
     if rows <= 16:
-        return 128, 64, 2      # 16.6 us at 8 rows (fp32: 28.7)
-    return 512, 64, 2          # 84.8 us at 64 rows (fp32: 146.9; floor 62.4)
+        return 512, 64, 3      # 15.6 us at 8 rows, 24.9 at 16
+    return 512, 64, 2          # 73.0 us at 64 rows (floor 62.4; fp32 p @ V, two kernels: 146.9)
+
+
 _workspaces: dict = {}
 
 
