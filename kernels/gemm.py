@@ -76,11 +76,11 @@ EPILOGUES = (None, "silu_mul")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
-DEFAULT_BLOCK_K = 64       # TODO-measure 64 vs 128 (bench/gemm.py --block-k)
+DEFAULT_BLOCK_K = 64       # 128 lost on 19 of 24 rows of bench/gemm.py (H200, bench/gemm_notes.md §6)
 HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
 SMEM_BUDGET = 200 * 1024   # leaves room on the SM for a PDL dependent's CTAs
 MAX_STAGES = 16
-DEFAULT_L2_PREFETCH = 8    # TODO-measure (bench/gemm.py pf variants, bench/chain.py)
+DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
 # L2 eviction hint for the W stream (CUTLASS's CacheHintSm90::EVICT_FIRST): weights are read
 # once per step, so they should not push x, the partials or the next kernel's data out of L2.
 EVICT_FIRST = 0x12F0000000000000
