@@ -493,11 +493,8 @@ class DecodeGemmKernel:
                 s = i % cfg.stages
                 cute.arch.mbarrier_wait(full + s, (i // cfg.stages) % 2)
                 warpgroup.fence()
-                # k-steps outer, halves inner: each half's accumulator is a dependent chain of
-                # k_steps wgmmas, and interleaving the halves lets the two chains overlap
-                # (same summation order per accumulator, so the same bits).
-                for kk in cutlass.range_constexpr(k_steps):
-                    for h in cutlass.range_constexpr(cfg.halves):
+                for h in cutlass.range_constexpr(cfg.halves):
+                    for kk in cutlass.range_constexpr(k_steps):
                         cute.gemm(tiled_mma, accs[h],
                                   tCrW[(None, None, kk, s * cfg.w_boxes + wg_row * cfg.halves + h)],
                                   tCrX[(None, None, kk, s * cfg.col_wgs + wg_col)],

@@ -199,6 +199,50 @@ def test_pdl_race_with_slow_producer(m, k, n, epilogue):
             f"replay {i}: the GEMM read x before its producer finished")
 
 
+@pytest.mark.parametrize("m", [1, 64])
+def test_pdl_race_gemm_as_producer(m):
+    """The GEMM as the producer: a second GEMM reads its output as x, and an AttnRes call
+    reads that one's output as delta, both launched with PDL (their weight / saved-block
+    prologues overlap the producer). Outputs are poisoned before every replay; 200 replays
+    must equal the serialised (no PDL) run bit for bit."""
+    import math
+
+    from graphc.kernels.attn_res import attn_res
+
+    D, nb = 7168, 2
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, D, generator=g, device="cuda").to(torch.bfloat16)
+    w1 = (torch.randn(D, D, generator=g, device="cuda") / D**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(D, D, generator=g, device="cuda") / D**0.5).to(torch.bfloat16)
+    prefix0 = (2 * torch.randn(m, D, generator=g, device="cuda")).to(torch.bfloat16)
+    blocks = torch.randn(m, nb, D, generator=g, device="cuda").to(torch.bfloat16)
+    key_norm = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    query = (torch.randn(D, generator=g, device="cuda") / math.sqrt(D)).to(torch.bfloat16)
+    out_norm = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    y1, y2, prefix, res = (torch.empty(m, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+
+    def step(use_pdl):
+        for t in (y1, y2, res):
+            t.fill_(float("nan"))
+        prefix.copy_(prefix0)
+        gemm.linear(x, w1, y1, use_pdl=use_pdl)
+        gemm.linear(y1, w2, y2, use_pdl=use_pdl)                 # reads the producer's y1
+        attn_res(y2, prefix, blocks, key_norm, query, out_norm, res, nb=nb, has_delta=True,
+                 write=-1, final=False, eps=1e-6, out_eps=1e-6, use_pdl=use_pdl)
+
+    step(False)
+    torch.cuda.synchronize()
+    expected = [t.clone() for t in (y1, y2, res)]
+    _check_close(expected[1], _reference(_reference(x, w1, None).to(torch.bfloat16), w2, None))
+    graph = _capture(lambda: step(True))
+    for i in range(200):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip((y1, y2, res), expected):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+                f"replay {i}: a PDL consumer read its producer's output too early")
+
+
 def test_capture_without_warmup_is_refused():
     """The first call of a configuration allocates its workspace, which must not happen
     inside a capture: it says so instead of capturing an allocation."""
