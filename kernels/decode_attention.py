@@ -99,24 +99,25 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
         tl.store(base + stride_kind + L.to(tl.int64) * stride_pos + d, vn)
     heads = t * H + kvh * G + g
     out_ptrs = out + t.to(tl.int64) * stride_out + (kvh * G + g)[:, None] * HD + d[None, :]
+    # Splits that hold cached positions (NSPLIT covers max_context, the rest are empty); split
+    # 0 always takes part (it holds the new token). Every program of this (row, head) computes
+    # the same count, so the empty ones simply stop here: no partial, no arrival.
+    live = tl.maximum(tl.cdiv(L, CHUNK), 1)
     if NSPLIT == 1:
         tl.store(out_ptrs, (acc / l[:, None]).to(tl.bfloat16), mask=gmask[:, None])
-    else:
+    elif s < live:
         tl.store(m_ws + heads * NSPLIT + s, m, mask=gmask)
         tl.store(l_ws + heads * NSPLIT + s, l, mask=gmask)
         tl.store(acc_ws + (heads * NSPLIT + s)[:, None] * HD + d[None, :], acc, mask=gmask[:, None])
-        # The last split of this (row, KV head) to finish combines all of them: the counter's
-        # acq_rel add orders the other programs' partial stores before our loads, which go to
-        # L2 (.cg) so no stale L1 line is read. The sum runs over splits in index order, so
-        # the bits do not depend on which program came last. It resets the counter, leaving
-        # the workspace as it found it for the next launch (and graph replay).
+        # The last live split of this (row, KV head) to finish combines all of them: the
+        # counter's acq_rel add orders the other programs' partial stores before our loads,
+        # which go to L2 (.cg) so no stale L1 line is read. The sum runs over splits in index
+        # order, so the bits do not depend on which program came last. It resets the counter,
+        # leaving the workspace as it found it for the next launch (and graph replay).
         tl.debug_barrier()          # every thread's partial stores precede the release
         done = tl.atomic_add(counters + t * KV + kvh, 1, sem="acq_rel")
-        if done == NSPLIT - 1:
+        if done == live - 1:
             tl.debug_barrier()      # ... and the acquire precedes every thread's loads
-            # Only the splits that hold cached positions (NSPLIT covers max_context; the rest
-            # are empty: -inf, 0, 0) take part; split 0 always does (it holds the new token).
-            live = tl.maximum(tl.cdiv(L, CHUNK), 1)
             sp = tl.arange(0, NP)
             ms = tl.load(m_ws + heads[:, None] * NSPLIT + sp[None, :],
                          mask=gmask[:, None] & (sp[None, :] < live), other=float("-inf"),
