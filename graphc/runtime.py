@@ -49,6 +49,7 @@ class DecodeStep:
         self.graphs = graphs or {}
         self.device = plan.device
         self.fingerprint = self.spec.fingerprint()
+        self._served = {size: [0, 0] for size in self.batch_sizes}    # calls, real rows
 
     def schedule_for(self, batch: int) -> Schedule:
         """The schedule that runs a batch of ``batch`` rows (that of its padded size)."""
@@ -71,6 +72,9 @@ class DecodeStep:
         (default 0..b-1). Returns logits [b, vocab] (bf16), a view of a static buffer."""
         b = self._check_inputs(tokens, seq_lens, cache_slots, validate)
         size = self.padded_size(b)
+        served = self._served[size]
+        served[0] += 1
+        served[1] += b
         plan = self.plan
         if cache_slots is None:
             cache_slots = torch.arange(b, dtype=torch.int32, device=self.device)
@@ -145,13 +149,26 @@ class DecodeStep:
                 self.plan.weights.tensors[name].copy_(t)
 
     # --- reports ----------------------------------------------------------------------------
+    def padding(self) -> dict[int, dict]:
+        """Per captured batch size, since the build: calls, real rows, padding rows computed
+        for nothing, and the waste (padding rows / rows computed). A large waste at one size
+        says another batch size is worth capturing."""
+        out = {}
+        for size, (calls, rows) in self._served.items():
+            computed = calls * size
+            out[size] = {"calls": calls, "rows": rows, "padded_rows": computed - rows,
+                         "waste": (computed - rows) / computed if computed else 0.0}
+        return out
+
     def stats(self) -> dict[int, dict]:
-        """Per captured batch size: capture time, graph memory, kernel count, PDL edges, and the
-        implementation of each op kind."""
+        """Per captured batch size: capture time, graph memory, kernel count, PDL edges, the
+        implementation of each op kind, and the padding waste so far (see ``padding``)."""
+        padding = self.padding()
         return {size: {"capture_s": g.capture_s, "graph_memory_bytes": g.memory_bytes,
                        "kernels": g.kernel_nodes, "pdl_edges": g.pdl_edges,
                        "schedule_pdl_edges": len(self.schedules[size].pdl_edges()),
-                       "implementations": self.schedules[size].implementation_summary()}
+                       "implementations": self.schedules[size].implementation_summary(),
+                       "padding_waste": padding[size]["waste"]}
                 for size, g in sorted(self.graphs.items())}
 
     def profile(self, batch: int, path: str | os.PathLike | None = None,

@@ -123,3 +123,13 @@ def test_bench_table_formats_recorded_numbers():
     line = [l for l in text.splitlines() if l.split() and l.split()[0] == "8"]
     assert "2700.0" in line[0] and "1.047" in line[0]
     assert "1.9%" in line[1] and "3.1%" in line[1] and "1.72x" in line[1]
+
+
+def test_padding_waste_is_reported_per_size():
+    step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], device="cpu", progress=None)
+    assert step.padding()[4] == {"calls": 0, "rows": 0, "padded_rows": 0, "waste": 0.0}
+    for b in (3, 2, 4, 1):
+        step(torch.arange(b), torch.zeros(b, dtype=torch.int32))
+    pad = step.padding()
+    assert pad[4] == {"calls": 3, "rows": 9, "padded_rows": 3, "waste": 0.25}
+    assert pad[1] == {"calls": 1, "rows": 1, "padded_rows": 0, "waste": 0.0}
