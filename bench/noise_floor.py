@@ -28,8 +28,8 @@ variants = {name: Plan(build_schedule(step.schedule.graph, TORCH | swap, use_pdl
             for name, swap, use_pdl in [
                 ("reference", {}, True), ("triton attention", {"decode_attention": "triton"}, True),
                 ("cute attn_res", {"attn_res": "cute"}, True), ("cute attn_res no-PDL", {"attn_res": "cute"}, False),
-                ("triton silu_mul", {"silu_mul": "triton"}, True),
-                ("all graphc kernels eager", {"decode_attention": "triton", "attn_res": "cute", "silu_mul": "triton"}, True)]}
+                ("decode GEMM (silu*mul fused)", {"linear": "cute"}, True),
+                ("all graphc kernels eager", {"decode_attention": "triton", "attn_res": "cute", "linear": "cute"}, True)]}
 for plan in variants.values():      # compile/warm up outside timing, as capture does
     launch_all(plan, a.batch, torch.cuda.current_stream())
 gen = torch.Generator().manual_seed(0)

@@ -21,7 +21,7 @@ a = p.parse_args()
 sizes = [int(x) for x in a.batch_sizes.split(",")]
 t0 = time.time()
 step = graphc.build(a.spec, sizes, implementations={"attn_res": a.attn_res, "linear": a.linear})
-print("build", time.time() - t0, "s", step.schedule.implementations())
+print("build", time.time() - t0, "s", {b: s.implementation_summary() for b, s in step.schedules.items()})
 print(step.stats())
 ref = Plan(build_schedule(step.schedule.graph, {"attn_res": "torch", "linear": "cublas",
                                                 "decode_attention": "torch"}),

@@ -180,9 +180,18 @@ def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None 
     implementations and so other edges.
     """
     chosen = dict(implementations or {})
+    ops = ops_in_order(graph)
+    known = {op.name for op in ops} | {op.kind for op in ops}
+    unknown = sorted(set(chosen) - known)
+    if unknown:
+        import difflib
+
+        near = difflib.get_close_matches(unknown[0], sorted(known), n=3)
+        raise GraphcError(f"implementations: {', '.join(map(repr, unknown))} is neither an op kind "
+                          f"nor a node of this graph" + (f" (did you mean {', '.join(near)}?)" if near else ""))
     kernels: list[Launch] = []
     producer: dict[str, int] = {}
-    for i, op in enumerate(ops_in_order(graph)):
+    for i, op in enumerate(ops):
         impl = chosen.get(op.name) or chosen.get(op.kind) or op.default_implementation(batch)
         if impl not in op.implementations:
             raise GraphcError(f"{op.name}: no implementation {impl!r} of {op.kind} "

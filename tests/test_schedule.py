@@ -148,3 +148,15 @@ def test_linear_implementation_follows_the_measured_crossover():
     assert build_schedule(g, at64.implementations()).implementations() == at64.implementations()
     pinned = build_schedule(g, {"linear": "cute", "lm_head": "cublas"}, batch=64)
     assert pinned.kernel("L03.attn.qkv").impl == "cute" and pinned.kernel("lm_head").impl == "cublas"
+
+
+def test_unknown_implementation_key_is_refused(tiny):
+    """A typo in a node name or op kind must not silently leave the default in place."""
+    from graphc.errors import GraphcError
+
+    with pytest.raises(GraphcError, match=r"'L03.mlp.dwn' is neither an op kind nor a node.*L03.mlp.down"):
+        build_schedule(tiny, {"L03.mlp.dwn": "cute"})
+    with pytest.raises(GraphcError, match="'lienar'.*linear"):
+        build_schedule(tiny, {"lienar": "cublas"})
+    with pytest.raises(GraphcError, match="no implementation 'cuda'"):
+        build_schedule(tiny, {"L03.mlp.down": "cuda"})
