@@ -25,13 +25,13 @@ import datetime as _dt
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from graphc.bench import time_replays  # noqa: E402
 from graphc.kernels import gemm  # noqa: E402
 from graphc.kernels.attn_res import attn_res  # noqa: E402
 
@@ -50,17 +50,7 @@ def time_graph(fn, replays: int) -> float:
         with torch.cuda.graph(graph, stream=stream):
             fn(stream)
     torch.cuda.synchronize()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(times)
+    return time_replays(graph.replay, 3, replays)
 
 
 def bench(m: int, replays: int) -> dict:

@@ -21,7 +21,7 @@ from .ops.attention import DecodeAttentionOp
 from .ops.attn_res import AttnResOp
 from .ops.base import Buffer, Op, Value
 from .ops.elementwise import EmbeddingOp
-from .ops.linear import LinearOp
+from .ops.linear import LinearOp, output_width
 from .spec import Spec
 
 
@@ -88,7 +88,7 @@ def build_graph(spec: Spec) -> nx.DiGraph:
         return b.add(op).writes["out"]
 
     def linear(name, x, k, n, weight_name="", epilogue=None):
-        writes = {"out": b.activation(name, n // 2 if epilogue == "silu_mul" else n)}
+        writes = {"out": b.activation(name, output_width(n, epilogue))}
         if epilogue is not None:        # the unfused path's bf16 projection (cuBLAS)
             writes["scratch"] = b.activation(f"{name}.scratch", n)
         op = LinearOp(name, reads={"x": x}, writes=writes, k=k, n=n, weight_name=weight_name,
