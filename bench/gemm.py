@@ -107,14 +107,30 @@ def variant_tunings(base) -> list[tuple[str, dict]]:
             (f"pf{2 * pf or 16}", dict(l2_prefetch=2 * pf or 16))]
 
 
-def variants(m: int, k: int, n: int, epilogue) -> list[tuple[str, dict]]:
-    """The tuning alternatives of ``variant_tunings`` that are legal for this shape."""
+def parse_tunings(text: str) -> list[tuple[str, dict]]:
+    """``"ctas=112;ctas=112,l2_prefetch=0"`` -> [(label, {knob: int})]: the ``--tunings`` option,
+    explicit alternatives timed instead of ``variant_tunings``."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        tuning = {}
+        for kv in item.split(","):
+            knob, _, value = kv.partition("=")
+            knobs = ("ctas", *gemm.TUNING_KNOBS)
+            if knob.strip() not in knobs or not value.strip().isdigit():
+                raise SystemExit(f"--tunings: {kv!r} is not knob=integer with knob one of {', '.join(knobs)}")
+            tuning[knob.strip()] = int(value)
+        out.append((item.replace("=", "").replace(",", "_"), tuning))
+    return out
+
+
+def variants(m: int, k: int, n: int, epilogue, explicit=None) -> list[tuple[str, dict]]:
+    """The tuning alternatives (``explicit`` or else ``variant_tunings``) legal for this shape."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = gemm.GemmConfig(m, k, n, epilogue, sms)
     out = []
-    for label, tuning in variant_tunings(base):
+    for label, tuning in explicit or variant_tunings(base):
         try:
-            gemm.GemmConfig(m, k, n, epilogue, sms, **tuning)
+            gemm.GemmConfig(m, k, n, epilogue, **{"ctas": sms, **tuning})
         except ValueError:
             continue
         out.append((label, tuning))
@@ -174,7 +190,7 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         "variants": {},
     }
     if args.variants:
-        for label, tuning in variants(m, k, n, epilogue):
+        for label, tuning in variants(m, k, n, epilogue, args.tunings):
             var_out = torch.empty_like(outs[0])
             gemm.linear(xs[0], ws[0], var_out, epilogue=epilogue, use_pdl=False, **tuning)
             var_err = ((var_out.float() - ref).norm() / ref.norm()).item()
@@ -196,10 +212,16 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="time only the default configuration (not the other block_k / row_wgs)")
+    ap.add_argument("--only", help="shape names to run, comma-separated (default: all of --shapes)")
+    ap.add_argument("--tunings", type=parse_tunings, default=None,
+                    help='time these alternatives instead of the default variants, e.g. '
+                         '"ctas=112;ctas=112,l2_prefetch=0"')
     args = ap.parse_args()
 
     props = torch.cuda.get_device_properties(0)
     shapes = {"big": BIG_SHAPES, "tiny": TINY_SHAPES, "all": BIG_SHAPES + TINY_SHAPES}[args.shapes]
+    if args.only:
+        shapes = [s for s in shapes if s[0] in args.only.split(",")]
     ms = [int(v) for v in args.m.split(",")]
     copy_bw = measure_copy_bandwidth()
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB; "

@@ -50,7 +50,7 @@ def spec_linear_shapes() -> set[tuple]:
     return shapes
 
 
-def gemm_configs() -> list[tuple]:
+def gemm_configs(extra_tunings=(), extra_ms=()) -> list[tuple]:
     import gemm_shapes as t
     from gemm_shapes import BIG_SHAPES, SPEC_SHAPES
 
@@ -69,13 +69,16 @@ def gemm_configs() -> list[tuple]:
     for k, n, e in sorted(set(SPEC_SHAPES) | spec_linear_shapes(), key=str):
         for m in STEP_BATCH_SIZES:
             wanted.append((m, k, n, e, {}))
+    for k, n, e in BIG_SHAPES:                       # bench/gemm.py --tunings
+        for m in extra_ms:
+            wanted += [(m, k, n, e, tuning) for _, tuning in extra_tunings]
     for m in (1, 8, 64):                             # bench/chain.py
         for pf in (None, 0, 16):
             wanted.append((m, 7168, 7168, None, {"l2_prefetch": pf}))
     keys = []
     for m, k, n, e, tuning in wanted:
         try:
-            key = GemmConfig(m, k, n, e, H200_SMS, **tuning).key()
+            key = GemmConfig(m, k, n, e, **{"ctas": H200_SMS, **tuning}).key()
         except ValueError:
             continue                                 # an illegal variant: the bench skips it too
         if key not in keys:
@@ -94,8 +97,12 @@ def _compile(key: tuple) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--tunings", default="", help="also bench/gemm.py --tunings TUNINGS ...")
+    ap.add_argument("--m", default="", help="... at these batch sizes")
     args = ap.parse_args()
-    keys = gemm_configs()
+    from gemm import parse_tunings                   # bench/gemm.py
+
+    keys = gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m])
     print(f"{len(keys)} decode-GEMM variants -> {os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool:

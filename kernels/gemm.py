@@ -41,8 +41,9 @@ PDL (DESIGN §4)
   in its own ``griddepcontrol.wait``, and the next kernel (AttnRes, whose pre-phase reads only
   data complete at launch) overlaps our tail instead of starting after it.
 * Before the wait the producer issues the W loads of the first ``stages`` pipeline stages
-  (``PROLOGUE_INPUTS = ("weight",)``); the stage barrier already expects the x bytes too, so no
-  consumer can start early.
+  (``PROLOGUE_INPUTS = ("weight",)``) and an L2 prefetch of the next ``l2_prefetch``
+  iterations' W; the stage barrier already expects the x bytes too, so no consumer can start
+  early.
 * Every thread executes ``griddepcontrol.wait`` (``WAITS = True``): the producer right before
   its first x load, the consumers before any global access (workspace, counters, y).
 * The workspace and counters are touched only after the wait, so kernels that share them in
@@ -73,12 +74,16 @@ WAITS = True
 TRIGGER = "early"
 
 EPILOGUES = (None, "silu_mul")
+# Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
+# (bench/gemm.py --tunings); the decode step always runs the defaults.
+TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
 DEFAULT_BLOCK_K = 64       # 128 lost on 19 of 24 rows of bench/gemm.py (H200, bench/gemm_notes.md §6)
 HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
 SMEM_BUDGET = 200 * 1024   # leaves room on the SM for a PDL dependent's CTAs
+SMEM_MAX = 220 * 1024      # under the 227 KB an sm_90 CTA may use (barriers, alignment)
 MAX_STAGES = 16
 DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
 # L2 eviction hint for the W stream (CUTLASS's CacheHintSm90::EVICT_FIRST): weights are read
@@ -99,8 +104,9 @@ class GemmConfig:
     (split over ``col_wgs`` warpgroups when M > 128).
     """
 
-    def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS,
-                 block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None):
+    def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS, *,
+                 block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None,
+                 stages: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -147,7 +153,14 @@ class GemmConfig:
         self.w_stage_bytes = self.w_boxes * HALF_ROWS * block_k * 2
         self.x_stage_bytes = self.col_wgs * self.mma_n * block_k * 2
         self.stage_bytes = self.w_stage_bytes + self.x_stage_bytes
-        self.stages = max(2, min(MAX_STAGES, SMEM_BUDGET // self.stage_bytes))
+        # Pipeline depth: as many stages as SMEM_BUDGET holds, or the ``stages`` knob (up to
+        # the SM's 227 KB, which leaves no room for a PDL dependent's CTAs).
+        if stages is None:
+            stages = max(2, min(MAX_STAGES, SMEM_BUDGET // self.stage_bytes))
+        if not 2 <= stages <= MAX_STAGES or stages * self.stage_bytes > SMEM_MAX:
+            raise ValueError(f"stages={stages} unsupported: 2..{MAX_STAGES} stages of "
+                             f"{self.stage_bytes} bytes within {SMEM_MAX} bytes of shared memory")
+        self.stages = int(stages)
         # Iterations beyond the shared-memory stages whose W tiles are prefetched into L2
         # before the PDL wait, so HBM keeps streaming while the previous kernel finishes.
         if l2_prefetch is None:
@@ -169,8 +182,14 @@ class GemmConfig:
         return max(1, min(int(sms), tiles * self.k_blocks // min_len))
 
     def key(self) -> tuple:
-        return (self.m, self.k, self.n, self.epilogue, self.ctas, self.block_k, self.row_wgs,
-                self.l2_prefetch)
+        """Everything the compiled kernel depends on: (M, K, N, epilogue, ctas, *tuning)."""
+        return (self.m, self.k, self.n, self.epilogue, self.ctas,
+                *(getattr(self, knob) for knob in TUNING_KNOBS))
+
+    @classmethod
+    def from_key(cls, key: tuple) -> "GemmConfig":
+        m, k, n, epilogue, ctas, *tuning = key
+        return cls(m, k, n, epilogue, ctas, **dict(zip(TUNING_KNOBS, tuning)))
 
     # The stream-K bookkeeping in plain integers. The kernel evaluates the same formulas on
     # device values (DecodeGemmKernel.cta_of / slot_of); tests check their invariants here.
@@ -389,16 +408,9 @@ class DecodeGemmKernel:
         # before the x bytes land after the wait.
         n_pre = cutlass.min(n_iters, cfg.stages)
         for i in cutlass.range(n_pre, unroll=1):
-            g = g_begin + i
-            tile = g // cfg.k_blocks
-            kb = g - tile * cfg.k_blocks
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_bytes)
-            for r in cutlass.range_constexpr(cfg.row_wgs):
-                for h in cutlass.range_constexpr(cfg.halves):
-                    cute.copy(tma_w, tWgW[(None, self.w_row_block(tile, r, h), kb)],
-                              tWsW[(None, i * cfg.w_boxes + r * cfg.halves + h)],
-                              tma_bar_ptr=full + i, cache_policy=evict_first)
+            self.load_w(tma_w, tWgW, tWsW, g_begin + i, i, full + i, evict_first)
 
         # Then an L2 prefetch of the next l2_prefetch iterations' W tiles: still weight traffic
         # only, and it keeps HBM busy when the stages are full before the previous kernel ends
@@ -406,42 +418,57 @@ class DecodeGemmKernel:
         # No barrier tracks it; the later TMA loads simply find the lines in L2.
         n_pf = cutlass.min(n_iters, n_pre + cfg.l2_prefetch)
         for i in cutlass.range(n_pre, n_pf, unroll=1):
-            g = g_begin + i
-            tile = g // cfg.k_blocks
-            kb = g - tile * cfg.k_blocks
-            with cute.arch.elect_one():
-                for r in cutlass.range_constexpr(cfg.row_wgs):
-                    for h in cutlass.range_constexpr(cfg.halves):
-                        cute.prefetch(tma_w, tWgW[(None, self.w_row_block(tile, r, h), kb)])
+            self.prefetch_w(tma_w, tWgW, g_begin + i)
 
         cute.arch.griddepcontrol_wait()
 
         # x for the prologue stages.
         for i in cutlass.range(n_pre, unroll=1):
-            g = g_begin + i
-            kb = g - (g // cfg.k_blocks) * cfg.k_blocks
-            for c in cutlass.range_constexpr(cfg.col_wgs):
-                cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, i * cfg.col_wgs + c)],
-                          tma_bar_ptr=full + i)
+            self.load_x(tma_x, tXgX, tXsX, g_begin + i, i, full + i)
 
-        # Steady state: wait for the consumers to free a stage, refill it with W and x.
+        # Steady state: wait for the consumers to free a stage, refill it with W and x. (Keeping
+        # the L2 prefetch l2_prefetch iterations ahead here as well was measured 8-27% slower at
+        # every M and shape: bench/gemm_notes.md §7.)
         for i in cutlass.range(n_pre, n_iters, unroll=1):
             s = i % cfg.stages
             phase = (i // cfg.stages) % 2
             cute.arch.mbarrier_wait(empty + s, phase ^ 1)
-            g = g_begin + i
-            tile = g // cfg.k_blocks
-            kb = g - tile * cfg.k_blocks
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_bytes)
+            self.load_w(tma_w, tWgW, tWsW, g_begin + i, s, full + s, evict_first)
+            self.load_x(tma_x, tXgX, tXsX, g_begin + i, s, full + s)
+
+    @cute.jit
+    def load_w(self, tma_w, tWgW, tWsW, g: Int32, stage: Int32, bar, evict_first: Int64):
+        """TMA of iteration g's W boxes (every half of every unit of its tile, at its k-block)
+        into pipeline stage ``stage``, completing on ``bar``."""
+        cfg = self.cfg
+        tile = g // cfg.k_blocks
+        kb = g - tile * cfg.k_blocks
+        for r in cutlass.range_constexpr(cfg.row_wgs):
+            for h in cutlass.range_constexpr(cfg.halves):
+                cute.copy(tma_w, tWgW[(None, self.w_row_block(tile, r, h), kb)],
+                          tWsW[(None, stage * cfg.w_boxes + r * cfg.halves + h)],
+                          tma_bar_ptr=bar, cache_policy=evict_first)
+
+    @cute.jit
+    def load_x(self, tma_x, tXgX, tXsX, g: Int32, stage: Int32, bar):
+        """TMA of iteration g's x boxes (its k-block, every batch warpgroup's columns)."""
+        cfg = self.cfg
+        kb = g - (g // cfg.k_blocks) * cfg.k_blocks
+        for c in cutlass.range_constexpr(cfg.col_wgs):
+            cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, stage * cfg.col_wgs + c)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def prefetch_w(self, tma_w, tWgW, g: Int32):
+        """L2 prefetch of iteration g's W boxes (no shared memory, no barrier)."""
+        cfg = self.cfg
+        tile = g // cfg.k_blocks
+        kb = g - tile * cfg.k_blocks
+        with cute.arch.elect_one():
             for r in cutlass.range_constexpr(cfg.row_wgs):
                 for h in cutlass.range_constexpr(cfg.halves):
-                    cute.copy(tma_w, tWgW[(None, self.w_row_block(tile, r, h), kb)],
-                              tWsW[(None, s * cfg.w_boxes + r * cfg.halves + h)],
-                              tma_bar_ptr=full + s, cache_policy=evict_first)
-            for c in cutlass.range_constexpr(cfg.col_wgs):
-                cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, s * cfg.col_wgs + c)],
-                          tma_bar_ptr=full + s)
+                    cute.prefetch(tma_w, tWgW[(None, self.w_row_block(tile, r, h), kb)])
 
     # --------------------------------------------------------------------------------------------
     @cute.jit
@@ -610,9 +637,8 @@ def _compile_args():
     return (z, z, z, z, z, cuda.CUstream(0), Boolean(True))
 
 
-def _build(m: int, k: int, n: int, epilogue: str | None, ctas: int, block_k: int, row_wgs: int,
-           l2_prefetch: int, options: str = ""):
-    kernel = DecodeGemmKernel(GemmConfig(m, k, n, epilogue, ctas, block_k, row_wgs, l2_prefetch))
+def _build(*key, options: str = ""):
+    kernel = DecodeGemmKernel(GemmConfig.from_key(key))
     if options:
         return cute.compile(kernel, *_compile_args(), options=options)
     return cute.compile(kernel, *_compile_args())
@@ -625,29 +651,25 @@ def compile_cache() -> CompileCache:
     return _CACHE
 
 
-def compile_linear(m: int, k: int, n: int, epilogue: str | None = None, *,
-                   ctas: int = DEFAULT_SMS, block_k: int | None = None, row_wgs: int | None = None,
-                   l2_prefetch: int | None = None, options: str | None = None):
+def compile_linear(m: int, k: int, n: int, epilogue: str | None = None, *, ctas: int = DEFAULT_SMS,
+                   options: str | None = None, **tuning):
     """The compiled kernel for one static configuration. Without ``options`` it comes from the
     compile cache (in process, then on disk); with options (e.g. ``--keep-ptx --dump-dir D``) it
     is compiled afresh, so ``.__ptx__`` is there. Works without a GPU when
     ``CUTE_DSL_ARCH=sm_90a``. ``ctas`` is the persistent grid: the device's SM count;
-    ``block_k``, ``row_wgs`` and ``l2_prefetch`` (None: the defaults) are tuning knobs for
-    the benchmark."""
-    cfg = GemmConfig(m, k, n, epilogue, ctas, block_k, row_wgs, l2_prefetch)
+    ``tuning`` sets knobs of TUNING_KNOBS for the benchmark (unset: the defaults)."""
+    cfg = GemmConfig(m, k, n, epilogue, ctas, **tuning)
     if options:
         return _build(*cfg.key(), options=options)
     return _CACHE.get(cfg.key())
 
 
 def linear_ptx(m: int, k: int, n: int, epilogue: str | None = None, *, ctas: int = DEFAULT_SMS,
-               block_k: int | None = None, row_wgs: int | None = None,
-               l2_prefetch: int | None = None) -> str:
+               **tuning) -> str:
     """PTX text of one configuration (compiled afresh with --keep-ptx, not cached)."""
     with tempfile.TemporaryDirectory() as dump_dir:
-        return compile_linear(m, k, n, epilogue, ctas=ctas, block_k=block_k, row_wgs=row_wgs,
-                              l2_prefetch=l2_prefetch,
-                              options=f"--keep-ptx --dump-dir {dump_dir}").__ptx__
+        return compile_linear(m, k, n, epilogue, ctas=ctas,
+                              options=f"--keep-ptx --dump-dir {dump_dir}", **tuning).__ptx__
 
 
 # ------------------------------------------------------------------------------------------------
@@ -688,9 +710,8 @@ def _workspace(cfg: GemmConfig, device):
 
 
 @functools.lru_cache(maxsize=None)
-def _config(m: int, k: int, n: int, epilogue: str | None, sms: int, block_k: int | None,
-            row_wgs: int | None, l2_prefetch: int | None) -> GemmConfig:
-    return GemmConfig(m, k, n, epilogue, sms, block_k, row_wgs, l2_prefetch)
+def _config(m: int, k: int, n: int, epilogue: str | None, ctas: int, tuning: tuple) -> GemmConfig:
+    return GemmConfig(m, k, n, epilogue, ctas, **dict(tuning))
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -749,18 +770,19 @@ def validate(x, weight, out, epilogue: str | None = None) -> tuple[int, int, int
 
 
 def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl: bool = True,
-           block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None) -> None:
+           ctas: int | None = None, **tuning) -> None:
     """``out = x @ weight.T`` (bf16 in/out, fp32 accumulation), or with ``epilogue="silu_mul"``
     ``out = silu(g) * u`` where ``[g | u] = x @ weight.T`` split in halves (weight is the fused
     [gate; up] matrix). Launches on ``stream`` (default: the current stream at call time) with
     the PDL attribute when ``use_pdl``. Capturable in a CUDA graph once it has been called
     outside capture for this shape (that first call allocates the split-K workspace).
-    ``block_k``, ``row_wgs`` and ``l2_prefetch`` are tuning knobs (bench/gemm.py); leave them None."""
+    ``ctas`` (the persistent grid; None: one CTA per SM) and ``tuning`` (knobs of TUNING_KNOBS)
+    are for the benchmark (bench/gemm.py); leave them unset."""
     import torch
 
     m, k, n = validate(x, weight, out, epilogue)
     device = weight.device
-    cfg = _config(m, k, n, epilogue, _sm_count(device), block_k, row_wgs, l2_prefetch)
+    cfg = _config(m, k, n, epilogue, ctas or _sm_count(device), tuple(sorted(tuning.items())))
     fn = _CACHE.get(cfg.key())
     partials, counters = _workspace(cfg, device)
     if stream is None:

@@ -144,6 +144,20 @@ def test_config_choices():
         GemmConfig(256, 7168, 10240, row_wgs=2)         # at most two consumer warpgroups
 
 
+def test_tuning_knobs_round_trip_and_bounds():
+    cfg = GemmConfig(64, 7168, 7168, None, 112, stages=6, l2_prefetch=0)
+    assert (cfg.ctas, cfg.stages, cfg.l2_prefetch) == (112, 6, 0)
+    again = GemmConfig.from_key(cfg.key())
+    assert again.key() == cfg.key() and repr(again) == repr(cfg)
+    # The default depth fills SMEM_BUDGET; the knob may go up to SMEM_MAX, not beyond.
+    assert GemmConfig(64, 7168, 7168).stages == gemm.SMEM_BUDGET // GemmConfig(64, 7168, 7168).stage_bytes
+    assert GemmConfig(64, 7168, 7168, stages=9).stages == 9
+    with pytest.raises(ValueError, match="stages=10"):
+        GemmConfig(64, 7168, 7168, stages=10)           # 10 x 24 KB > SMEM_MAX
+    with pytest.raises(ValueError, match="stages=1 "):
+        GemmConfig(8, 7168, 7168, stages=1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Compile-only: the PTX has the structure DESIGN §3-§4 asks for.
 # ------------------------------------------------------------------------------------------------
