@@ -64,6 +64,8 @@ import cutlass.memory
 import cutlass.tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .compile_cache import CompileCache
@@ -559,11 +561,14 @@ class DecodeGemmKernel:
                         mY[m, (unit * cfg.halves + h) * HALF_ROWS + row] = accs[h][j].to(BFloat16)
 
     @cute.jit
-    def ws_offset(self, slot, wg, h: cutlass.Constexpr, j: cutlass.Constexpr, wg_tid):
-        # Fragment order, thread-minor: each (slot, wg, h, j) is 128 consecutive floats, so
-        # every store and load of a partial is coalesced.
+    def ws_ptr(self, mWs, slot, wg, h: cutlass.Constexpr, j4: cutlass.Constexpr, wg_tid):
+        """Address of accumulators 4*j4 .. 4*j4+3 of half h of thread wg_tid's partial in
+        workspace slot ``slot``. Fragment order, thread-minor, four floats per thread: each
+        (slot, wg, h, j4) is 128 consecutive 16-byte vectors, so a warp's partial stores and
+        loads are 512 contiguous bytes, one 16-byte access per thread."""
         cfg = self.cfg
-        return (((slot * cfg.wgs + wg) * cfg.halves + h) * cfg.frag + j) * 128 + wg_tid
+        vec = (((slot * cfg.wgs + wg) * cfg.halves + h) * (cfg.frag // 4) + j4) * 128 + wg_tid
+        return (mWs.iterator + vec * 4).llvm_ptr
 
     @cute.jit
     def reduce_split_tile(self, accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid):
@@ -574,6 +579,12 @@ class DecodeGemmKernel:
         arrived, so it never waits on a CTA that is not running), sums all partials in CTA
         order (its own from registers) and writes y. The order, not the arrival, fixes the
         result, so it is deterministic. The last one also resets both counters to zero.
+
+        Measured (per-CTA timeline, bench/gemm_notes.md §7): at M = 64 this tail was 2-23 µs,
+        the largest loss of the kernel, so the partials move as 16-byte vectors, the last CTA
+        loads only the partials that exist, and one thread per CTA does the release/acquire
+        (barrier, then fence + atomic: CUTLASS's semaphore pattern) instead of every thread
+        fencing.
         """
         cfg = self.cfg
         consumers = 128 * cfg.wgs
@@ -582,6 +593,7 @@ class DecodeGemmKernel:
         p_ready = (mCount.iterator + (cfg.tiles + tile)).llvm_ptr
         c_lo = self.cta_of(tile * cfg.k_blocks)
         c_hi = self.cta_of(tile * cfg.k_blocks + cfg.k_blocks - 1)
+        f32x4 = ir.VectorType.get([4], Float32.mlir_type)
 
         # The first barrier also keeps the leader from overwriting flag[0] before every
         # consumer has read the previous segment's value.
@@ -592,15 +604,17 @@ class DecodeGemmKernel:
         arrived = flag[0]
 
         if arrived != c_hi - c_lo:
-            # Not last: publish the partial (fence + barrier + release, the classic pattern).
+            # Not last: publish the partial, then one release by the leader after the barrier
+            # (cumulative over every consumer thread's stores).
             my_slot = self.slot_of(cta, tile)
             for h in cutlass.range_constexpr(cfg.halves):
-                for j in cutlass.range_constexpr(cfg.frag):
-                    mWs[self.ws_offset(my_slot, wg, h, j, wg_tid)] = accs[h][j]
-            cute.arch.fence_acq_rel_gpu()
+                for j4 in cutlass.range_constexpr(cfg.frag // 4):
+                    v = vector.from_elements(f32x4, [accs[h][4 * j4 + e].ir_value() for e in range(4)])
+                    cute.arch.store(self.ws_ptr(mWs, my_slot, wg, h, j4, wg_tid), v)
             cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
             if leader:
-                cute.arch.atomic_add(p_ready, Int32(1), sem="release", scope="gpu")
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")
         else:
             if leader:
                 # Every other contributor has arrived; wait until each has published.
@@ -610,22 +624,30 @@ class DecodeGemmKernel:
                 mCount[tile] = Int32(0)              # both counters back to zero for the
                 mCount[cfg.tiles + tile] = Int32(0)  # next launch; nobody else touches them
             cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
-            cute.arch.fence_acq_rel_gpu()
-            # Partial slots of c_lo .. c_lo + max_segs - 1, clamped to c_hi so every load is
-            # in bounds; the loads are unconditional (so they can all be in flight) and the
-            # unused ones (past c_hi, or our own slot) are discarded by selects.
-            slots = [self.slot_of(cutlass.min(c_lo + q, c_hi), tile) for q in range(cfg.max_segs)]
-            for h in cutlass.range_constexpr(cfg.halves):
-                for j in cutlass.range_constexpr(cfg.frag):
-                    total = Float32(0.0)
-                    for q in cutlass.range_constexpr(cfg.max_segs):
-                        # Written by other SMs during this kernel: read through L2 (ld.cg).
-                        part = cute.arch.load(
-                            (mWs.iterator + self.ws_offset(slots[q], wg, h, j, wg_tid)).llvm_ptr,
-                            Float32, cop="cg")
-                        part = Float32(cutlass.select_(c_lo + q == cta, accs[h][j], part))
-                        total = Float32(cutlass.select_(c_lo + q <= c_hi, total + part, total))
-                    accs[h][j] = total
+            # Sum in CTA order, ours from registers: one round trip per other contributor,
+            # each loading its whole partial (written by other SMs: through L2, ld.cg). With
+            # more than 64 accumulators (M > 64) they go in chunks of 16, so the running sums
+            # and the loaded vectors fit in registers beside the accumulators (no spills).
+            n_acc = cfg.halves * cfg.frag
+            chunk = n_acc if n_acc <= 64 else 16
+            for f0 in cutlass.range_constexpr(0, n_acc, chunk):
+                fs = [(f // cfg.frag, f % cfg.frag) for f in range(f0, f0 + chunk)]   # (half, j)
+                total = cute.make_rmem_tensor(chunk, Float32)
+                total.fill(0.0)
+                for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
+                    if c == cta:
+                        for i in cutlass.range_constexpr(chunk):
+                            total[i] = total[i] + accs[fs[i][0]][fs[i][1]]
+                    else:
+                        slot = self.slot_of(c, tile)
+                        parts = [cute.arch.load(self.ws_ptr(mWs, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
+                                                f32x4, cop="cg") for i in range(0, chunk, 4)]
+                        for i in cutlass.range_constexpr(chunk):
+                            part = Float32(vector.extract(parts[i // 4], dynamic_position=[],
+                                                          static_position=[i % 4]))
+                            total[i] = total[i] + part
+                for i in cutlass.range_constexpr(chunk):
+                    accs[fs[i][0]][fs[i][1]] = total[i]
             self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs)
 
 

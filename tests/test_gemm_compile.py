@@ -204,9 +204,13 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     for dim, coords in tma:
         assert dim == "2d" and len(coords) == 2, f"TMA load .{dim} with coordinates {coords}"
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.mma_n}k16.f32.bf16.bf16" in ptx
-    # Split-K reduction: arrival counter, release/acquire publication, L2-only partial loads.
-    assert "atom.global" in ptx and "atom.global.release" in ptx
-    assert "ld.acquire.gpu" in ptx and "ld.global.cg" in ptx
+    # Split-K reduction: arrival counter, release (fence + red) / acquire publication, partials
+    # stored and loaded (L2 only) as 16-byte vectors.
+    assert "atom.global" in ptx and re.search(r"red(\.relaxed)?\.gpu\.global\.add", ptx)
+    assert "fence.acq_rel.gpu" in ptx
+    assert "ld.acquire.gpu" in ptx
+    assert re.search(r"ld\.global\.cg\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx)
+    assert not re.search(r"ld\.global\.cg\.(f32|b32)", ptx), "scalar partial loads"
     # PDL: the trigger comes first; before the first wait the only global traffic is the
     # weight TMA (with the evict-first hint): no x, no y, no workspace, no counters.
     trigger = ptx.index("griddepcontrol.launch_dependents")

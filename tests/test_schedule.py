@@ -123,7 +123,8 @@ def test_unsafe_schedule_error_lists_every_refusal(tiny):
 
 def test_linear_implementation_follows_the_measured_crossover():
     """Each captured batch size gets its own schedule: the decode GEMM where it was measured
-    faster than cuBLAS (every linear up to 16 rows; gate_up and down up to 64), cuBLAS
+    faster than cuBLAS (every linear up to 16 rows; qkv and o_proj up to 32, gate_up and down
+    up to 64), cuBLAS
     elsewhere and when no batch size is known. A node-name entry overrides the kind's."""
     from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
 
@@ -144,6 +145,8 @@ def test_linear_implementation_follows_the_measured_crossover():
     assert at64.kernel("L03.mlp.gate_up").edge == "pdl"        # behind AttnRes
     assert at64.kernel("L03.attn.qkv").edge == "full"          # cuBLAS never waits
     assert build_schedule(g, batch=128).kernel("L03.mlp.down").impl == "cublas"
+    at32 = linear_impls(build_schedule(g, batch=32))
+    assert at32["L03.attn.qkv"] == at32["L03.attn.o_proj"] == "cute" and at32["lm_head"] == "cublas"
     # The exact per-node mapping rebuilds the same schedule; a node entry beats its kind's.
     assert build_schedule(g, at64.implementations()).implementations() == at64.implementations()
     pinned = build_schedule(g, {"linear": "cute", "lm_head": "cublas"}, batch=64)

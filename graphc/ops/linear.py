@@ -75,12 +75,15 @@ def _decode_gemm_available() -> bool:
 
 DECODE_GEMM_MAX_BATCH = 16
 # (K, N, epilogue) -> the largest batch size at which the decode GEMM was measured faster
-# than cuBLAS (bench/results/gemm_NVIDIA_H200_2026-11-30_b.json, M in 1..64): the MLP's
-# gate_up with its fused silu * up (136.0 us vs 149.8 for cuBLAS + the activation kernel at
-# M = 64) and down (73.6 vs 77.1). qkv and o_proj lose from M = 32 (1.04x, 1.09x).
+# than cuBLAS (bench/results/gemm_NVIDIA_H200_2026-11-30_c.json, M in 1..64, after the
+# vectorised split-tile reduction): the MLP's gate_up with its fused silu * up (125.8 us vs
+# 140.0 for cuBLAS + the activation kernel at M = 64), down (66.1 vs 75.0), and qkv and
+# o_proj up to 32 rows (0.94x, 0.95x; at 64 rows they lose, 1.03x and 1.05x).
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 64,
     (18432, 7168, None): 64,
+    (7168, 10240, None): 32,
+    (8192, 7168, None): 32,
 }
 
 
