@@ -78,7 +78,7 @@ TRIGGER = "early"
 EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
-TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages")
+TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
@@ -108,7 +108,7 @@ class GemmConfig:
 
     def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS, *,
                  block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None,
-                 stages: int | None = None):
+                 stages: int | None = None, halves: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -122,8 +122,14 @@ class GemmConfig:
         self.block_k = block_k
         self.k_blocks = k // block_k
 
-        # Units: two halves when they exist (silu: gate + up; else 128 contiguous rows).
-        self.halves = 2 if (self.silu or n % (2 * HALF_ROWS) == 0) else 1
+        # Units: two halves when they exist (silu: gate + up; else 128 contiguous rows), or
+        # the ``halves`` knob: 1 gives 64-row units, twice the tiles (fewer CTAs per split
+        # tile, half-size partials) for twice the x re-reads.
+        if halves is None:
+            halves = 2 if (self.silu or n % (2 * HALF_ROWS) == 0) else 1
+        if halves not in (1, 2) or (self.silu and halves != 2) or n % (halves * HALF_ROWS):
+            raise ValueError(f"halves={halves} unsupported here (N={n}, epilogue={epilogue!r})")
+        self.halves = int(halves)
         self.unit_cols = HALF_ROWS if self.silu else HALF_ROWS * self.halves   # y columns per unit
         self.units = self.n_out // self.unit_cols
         # Batch columns: one consumer warpgroup up to 128, two beyond. wgmma allows N in steps

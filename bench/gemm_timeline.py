@@ -1,0 +1,117 @@
+"""Per-CTA timeline of the decode GEMM: when each CTA entered, passed its PDL wait, finished
+its last k-block and ended (``%globaltimer``), for finding tails and imbalance
+(bench/gemm_notes.md §7).
+
+    source .gpu/setup.sh && python3 bench/gemm_timeline.py gate_up:64 o_proj:8
+    # CPU, to put the instrumented kernels in the disk cache first:
+    CUTE_DSL_ARCH=sm_90a python3 bench/gemm_timeline.py --precompile gate_up:64 o_proj:8
+
+The instrumented kernel is generated from ``kernels/gemm.py`` by inserting four timer stores
+at fixed anchors (written to ``kernels/_gemm_timeline.py``, git-ignored) so the shipped
+kernel carries no instrumentation; if an anchor moved, this script says which. The times go
+to extra int32 words after the split-tile counters. Each argument is ``shape:M`` with a shape
+of bench/gemm.py; the kernel runs 3 x 6 times eagerly with PDL over 6 weight copies and the
+last call's timeline is printed (in µs from the first CTA's entry).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+SHAPES = {"gate_up": (7168, 36864, "silu_mul"), "down": (18432, 7168, None),
+          "qkv": (7168, 10240, None), "o_proj": (8192, 7168, None)}
+
+# (anchor in kernels/gemm.py, replacement): the instrumentation, one timer word per point.
+PATCHES = [
+    ("cute.make_layout(2 * cfg.tiles),      # arrived[tiles], ready[tiles]",
+     "cute.make_layout(2 * cfg.tiles + 4 * cfg.ctas),"),
+    ("counters = torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device)",
+     "counters = torch.zeros(2 * cfg.tiles + 4 * cfg.ctas, dtype=torch.int32, device=device)"),
+    ("        cute.arch.griddepcontrol_launch_dependents()\n",
+     "        cute.arch.griddepcontrol_launch_dependents()\n        t_entry = cute.arch.globaltimer_lo()\n"),
+    ("            cute.arch.griddepcontrol_wait()\n            self.consumer(tiled_mma",
+     "            cute.arch.griddepcontrol_wait()\n            if tidx == 0:\n"
+     "                mCount[2 * cfg.tiles + 4 * cta] = t_entry\n"
+     "                mCount[2 * cfg.tiles + 4 * cta + 1] = cute.arch.globaltimer_lo()\n"
+     "            self.consumer(tiled_mma"),
+    ("            warpgroup.wait_group(0)\n",
+     "            warpgroup.wait_group(0)\n            if tidx == 0:\n"
+     "                mCount[2 * cfg.tiles + 4 * cta + 2] = cute.arch.globaltimer_lo()\n"),
+    ("                self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid)\n",
+     "                self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid)\n"
+     "        if tidx == 0:\n            mCount[2 * cfg.tiles + 4 * cta + 3] = cute.arch.globaltimer_lo()\n"),
+    ('_CACHE = CompileCache("gemm", _build', '_CACHE = CompileCache("gemm_timeline", _build'),
+]
+
+
+def instrumented_module():
+    src = open(os.path.join(ROOT, "kernels", "gemm.py")).read()
+    for anchor, replacement in PATCHES:
+        if src.count(anchor) != 1:
+            raise SystemExit(f"kernels/gemm.py changed: anchor {anchor.strip()[:70]!r} found "
+                             f"{src.count(anchor)} times; update PATCHES in bench/gemm_timeline.py")
+        src = src.replace(anchor, replacement)
+    path = os.path.join(ROOT, "kernels", "_gemm_timeline.py")
+    if not os.path.exists(path) or open(path).read() != src:
+        with open(path, "w") as f:
+            f.write(src)
+    return importlib.import_module("graphc.kernels._gemm_timeline")
+
+
+def timeline(g, name: str, m: int) -> None:
+    import torch
+
+    k, n, e = SHAPES[name]
+    copies = 6
+    ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+    xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+    outs = [torch.empty(m, n // 2 if e else n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    cfg = g.GemmConfig(m, k, n, e, torch.cuda.get_device_properties(0).multi_processor_count)
+    for _ in range(3):
+        for j in range(copies):
+            g.linear(xs[j], ws[j], outs[j], epilogue=e)
+    torch.cuda.synchronize()
+    words = g._workspace(cfg, torch.device("cuda", torch.cuda.current_device()))[1]
+    t = words[2 * cfg.tiles:].view(cfg.ctas, 4).cpu().long()
+    t = (t - t[:, 0].min()) % (1 << 32)                     # globaltimer_lo wraps every 4.3 s
+    entry, waited, loop_end, end = (t[:, i].float() / 1000 for i in range(4))
+
+    def q(v):
+        return f"min {v.min():7.2f}  median {v.median():7.2f}  max {v.max():7.2f}"
+
+    print(f"{name}:{m} {cfg}")
+    print(f"  entry                  {q(entry)} us from the first CTA's entry")
+    print(f"  PDL wait passed        {q(waited)}")
+    print(f"  last k-block done      {q(loop_end)}")
+    print(f"  end                    {q(end)}")
+    print(f"  streaming (wait->last) {q(loop_end - waited)}")
+    print(f"  tail (last->end)       {q(end - loop_end)}")
+    order = torch.argsort(loop_end)
+    print("  first CTAs done:", [(int(c), round(float(loop_end[c]), 1)) for c in order[:6]])
+    print("  last CTAs done: ", [(int(c), round(float(loop_end[c]), 1)) for c in order[-6:]])
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    precompile = "--precompile" in args
+    cases = [(a.split(":")[0], int(a.split(":")[1])) for a in args if not a.startswith("--")]
+    if not cases or any(name not in SHAPES for name, _ in cases):
+        raise SystemExit(__doc__)
+    g = instrumented_module()
+    for name, m in cases:
+        if precompile:
+            k, n, e = SHAPES[name]
+            g.compile_cache().get(g.GemmConfig(m, k, n, e, 132).key())
+            print(f"compiled {name}:{m}")
+        else:
+            timeline(g, name, m)
+
+
+if __name__ == "__main__":
+    main()
