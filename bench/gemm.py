@@ -48,6 +48,7 @@ BIG_SHAPES = [
     ("down", 18432, 7168, None),
     ("qkv", 7168, 10240, None),
     ("o_proj", 8192, 7168, None),
+    ("lm_head", 7168, 163840, None),     # Kimi's vocabulary: the largest GEMM of a step
 ]
 TINY_SHAPES = [
     ("tiny.qkv", 1024, 1536, None),

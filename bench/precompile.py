@@ -52,7 +52,7 @@ def spec_linear_shapes() -> set[tuple]:
 
 def gemm_configs(extra_tunings=(), extra_ms=()) -> list[tuple]:
     import gemm_shapes as t
-    from gemm_shapes import BIG_SHAPES, SPEC_SHAPES
+    from gemm_shapes import SPEC_SHAPES
 
     from graphc.kernels.gemm import GemmConfig
 
@@ -61,7 +61,9 @@ def gemm_configs(extra_tunings=(), extra_ms=()) -> list[tuple]:
     wanted += [(m, k, n, e, {}) for m, k, n, e in t.OTHER_CASES]
     from gemm import variant_tunings                 # bench/gemm.py
 
-    for k, n, e in BIG_SHAPES:                       # bench/gemm.py: default + its variants
+    from gemm import BIG_SHAPES as BENCH_SHAPES      # bench/gemm.py's rows
+
+    for _, k, n, e in BENCH_SHAPES:                  # bench/gemm.py: default + its variants
         for m in (1, 8, 16, 32, 64, 256):
             wanted.append((m, k, n, e, {}))
             for _, tuning in variant_tunings(GemmConfig(m, k, n, e, H200_SMS)):
@@ -69,7 +71,7 @@ def gemm_configs(extra_tunings=(), extra_ms=()) -> list[tuple]:
     for k, n, e in sorted(set(SPEC_SHAPES) | spec_linear_shapes(), key=str):
         for m in STEP_BATCH_SIZES:
             wanted.append((m, k, n, e, {}))
-    for k, n, e in BIG_SHAPES:                       # bench/gemm.py --tunings
+    for _, k, n, e in BENCH_SHAPES:                  # bench/gemm.py --tunings
         for m in extra_ms:
             wanted += [(m, k, n, e, tuning) for _, tuning in extra_tunings]
     for m in (1, 8, 64):                             # bench/chain.py
