@@ -1,6 +1,10 @@
 """Split-KV GQA decode attention in Triton: reads only each sequence's cached tokens.
 
-A library-style kernel (no PDL wait), entered through full edges. It is Triton rather than
+A library-style kernel (no PDL wait), entered through full edges, that triggers its
+dependents at entry (``griddepcontrol.launch_dependents``, Triton's ``gdc_launch_dependents``):
+the next kernel, the o_proj decode GEMM, streams its weights while attention runs. (Entering
+attention through a PDL edge as well was measured slower: bench/decode_attention_notes.md
+v7.) It is Triton rather than
 CuTe DSL because attention is not where graphc's gains are; what matters here is that the
 cost follows the real context length instead of the cache's ``max_context``.
 
@@ -50,7 +54,13 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
               stride_pos, stride_kind, stride_head, stride_out, scale,
               H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
               HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-              NP: tl.constexpr, PV_BF16: tl.constexpr):
+              NP: tl.constexpr, PV_BF16: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:
+        # Let a PDL-launched successor (the o_proj decode GEMM) start streaming its weights
+        # now: it reads our output only after its own griddepcontrol.wait, which waits for
+        # this grid to complete. Fires once every program has executed it, so the successor
+        # never takes an SM from a program of ours that has not started.
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -139,11 +149,13 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
                      head_dim: int, chunk: int | None = None, block_n: int | None = None,
-                     num_warps: int = 4, num_stages: int | None = None, pv_bf16: bool = PV_BF16) -> None:
+                     num_warps: int = 4, num_stages: int | None = None, pv_bf16: bool = PV_BF16,
+                     trigger: bool = True) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention (kv: [slots, 2, kv_heads,
     max_context, head_dim], any strides). The tiling arguments default to
-    ``default_tiling(rows)``."""
+    ``default_tiling(rows)``. ``trigger`` (default) executes ``griddepcontrol.launch_dependents``
+    at entry, so a successor launched with the PDL attribute overlaps this kernel."""
     T, C = qkv.shape[0], kv.shape[3]
     tiled = default_tiling(T)
     chunk = chunk or tiled[0]
@@ -169,4 +181,4 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
         1.0 / math.sqrt(head_dim),
         H=heads, KV=kv_heads, G=G, GP=max(16, triton.next_power_of_2(G)), HD=head_dim,
         CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, NP=triton.next_power_of_2(nsplit),
-        PV_BF16=pv_bf16, num_warps=num_warps, num_stages=num_stages)
+        PV_BF16=pv_bf16, TRIGGER=bool(trigger), num_warps=num_warps, num_stages=num_stages)

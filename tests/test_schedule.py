@@ -163,3 +163,17 @@ def test_unknown_implementation_key_is_refused(tiny):
         build_schedule(tiny, {"lienar": "cublas"})
     with pytest.raises(GraphcError, match="no implementation 'cuda'"):
         build_schedule(tiny, {"L03.mlp.down": "cuda"})
+
+
+def test_attention_triggers_early_without_hiding_anything(tiny):
+    """The Triton attention never waits (entered through a full edge) but triggers at entry,
+    so the o_proj decode GEMM after it is launched during attention and streams its weights
+    there. The kernels before attention stay known complete for everything after it."""
+    s = build_schedule(tiny, {**GEMM, "decode_attention": "triton"})
+    att, o_proj = s.kernel("L01.attn.attention"), s.kernel("L01.attn.o_proj")
+    assert (att.edge, att.traits.waits, att.traits.trigger) == ("full", False, "early")
+    assert o_proj.edge == "pdl"
+    mlp = s.kernel("L01.attn_res.mlp")
+    upto, because = known_complete(s.kernels, mlp.index)
+    assert s.kernels[upto].node == "L01.attn.qkv" and "L01.attn.attention" in because
+    assert verify(s) == []

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import LIBRARY_KERNEL, Implementation, Op
+from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits
+
+# The Triton kernel never waits (so it is entered through a full edge) but triggers its
+# dependents at entry: a decode GEMM after it streams weights during attention.
+TRITON_TRAITS = PdlTraits(waits=False, trigger="early")
 
 
 def _launch_reference(op, t, w, stream, use_pdl):
@@ -40,7 +44,7 @@ class DecodeAttentionOp(Op):
     kind = "decode_attention"
     implementations = {
         # Split-KV Triton kernel: reads only the cached tokens (the torch path reads max_context).
-        "triton": Implementation("triton", LIBRARY_KERNEL, _launch_triton, available=_triton_available),
+        "triton": Implementation("triton", TRITON_TRAITS, _launch_triton, available=_triton_available),
         "torch": Implementation("torch", LIBRARY_KERNEL, _launch_reference),
     }
 
