@@ -50,13 +50,19 @@ PATCHES = [
 ]
 
 
-def instrumented_module():
+def instrumented_source() -> str:
+    """kernels/gemm.py with the timer stores inserted (SystemExit naming a moved anchor)."""
     src = open(os.path.join(ROOT, "kernels", "gemm.py")).read()
     for anchor, replacement in PATCHES:
         if src.count(anchor) != 1:
             raise SystemExit(f"kernels/gemm.py changed: anchor {anchor.strip()[:70]!r} found "
                              f"{src.count(anchor)} times; update PATCHES in bench/gemm_timeline.py")
         src = src.replace(anchor, replacement)
+    return src
+
+
+def instrumented_module():
+    src = instrumented_source()
     path = os.path.join(ROOT, "kernels", "_gemm_timeline.py")
     if not os.path.exists(path) or open(path).read() != src:
         with open(path, "w") as f:
