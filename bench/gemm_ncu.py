@@ -19,8 +19,9 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from graphc.kernels import gemm  # noqa: E402
 
-SHAPES = {"gate_up": (7168, 36864, "silu_mul"), "down": (18432, 7168, None),
-          "qkv": (7168, 10240, None), "o_proj": (8192, 7168, None)}
+from gemm import BIG_SHAPES  # noqa: E402  (bench/gemm.py)
+
+SHAPES = {name: (k, n, e) for name, k, n, e in BIG_SHAPES}
 
 for arg in sys.argv[1:]:
     name, m = arg.split(":")

@@ -24,8 +24,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-SHAPES = {"gate_up": (7168, 36864, "silu_mul"), "down": (18432, 7168, None),
-          "qkv": (7168, 10240, None), "o_proj": (8192, 7168, None)}
+def bench_shapes() -> dict[str, tuple]:
+    """name -> (K, N, epilogue): bench/gemm.py's rows (imported here: it loads torch)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gemm import BIG_SHAPES
+
+    return {name: (k, n, e) for name, k, n, e in BIG_SHAPES}
 
 # (anchor in kernels/gemm.py, replacement): the instrumentation, one timer word per point.
 PATCHES = [
@@ -73,7 +77,7 @@ def instrumented_module():
 def timeline(g, name: str, m: int) -> None:
     import torch
 
-    k, n, e = SHAPES[name]
+    k, n, e = bench_shapes()[name]
     copies = 6
     ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
     xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
@@ -107,12 +111,13 @@ def main() -> None:
     args = sys.argv[1:]
     precompile = "--precompile" in args
     cases = [(a.split(":")[0], int(a.split(":")[1])) for a in args if not a.startswith("--")]
-    if not cases or any(name not in SHAPES for name, _ in cases):
+    shapes = bench_shapes()
+    if not cases or any(name not in shapes for name, _ in cases):
         raise SystemExit(__doc__)
     g = instrumented_module()
     for name, m in cases:
         if precompile:
-            k, n, e = SHAPES[name]
+            k, n, e = shapes[name]
             g.compile_cache().get(g.GemmConfig(m, k, n, e, 132).key())
             print(f"compiled {name}:{m}")
         else:

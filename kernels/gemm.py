@@ -184,7 +184,7 @@ class GemmConfig:
 
     def _ctas_for(self, tiles: int, sms: int) -> int:
         """One CTA per SM, each with at least a third of a tile's k-blocks, so a tile is split
-        over at most 4 CTAs (the reducer's fixed-order sum is unrolled over that bound); only
+        over at most 4 CTAs (at most 3 partials for the last one to load in turn); only
         small problems get fewer CTAs than SMs."""
         min_len = -(-self.k_blocks // 3)
         return max(1, min(int(sms), tiles * self.k_blocks // min_len))
