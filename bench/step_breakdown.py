@@ -1,0 +1,97 @@
+"""Where a decode step loses against its HBM floor: each kernel alone against its own floor.
+
+    python3 bench/step_breakdown.py layer_specs/kimi_k3_dense_8l.yaml --batch-sizes 32,64
+
+Builds the step, times the captured graph (as ``graphc bench``), then profiles every kernel
+alone (``DecodeStep.profile``: each kernel 10x in its own CUDA graph, no neighbours, no PDL
+overlap) and groups the kernels by role (``L03.mlp.down`` -> ``mlp.down``). Per role: the
+summed time, the summed floor (the op's own ``bytes_moved`` / 4.3 TB/s), their ratio and the
+time lost above the floor. The last lines compare the sum of isolated kernels with the step:
+what launch gaps cost (step > sum) or what PDL overlap wins (step < sum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from graphc.floor import H200_HBM_BYTES_PER_S  # noqa: E402
+
+
+def role(node: str) -> str:
+    """The node's name without its layer prefix: the same op in every layer is one role."""
+    return re.sub(r"^L\d+\.", "", node)
+
+
+def breakdown(profile: dict, floors_us: dict[str, float]) -> list[dict]:
+    """Rows per role, in first-seen order: count, time, floor, ratio, loss (µs)."""
+    rows: dict[str, dict] = {}
+    for k in profile["kernels"]:
+        r = rows.setdefault(role(k["node"]), {"role": role(k["node"]), "count": 0, "us": 0.0, "floor_us": 0.0,
+                                               "impl": profile["implementations"][k["node"]]})
+        r["count"] += 1
+        r["us"] += k["duration_us"]
+        r["floor_us"] += floors_us[k["node"]]
+    for r in rows.values():
+        r["loss_us"] = r["us"] - r["floor_us"]
+    return list(rows.values())
+
+
+def format_breakdown(rows: list[dict], step_us: float, step_floor_us: float, batch: int) -> str:
+    lines = [f"batch {batch}: step {step_us:.0f} us, floor {step_floor_us:.0f} us "
+             f"({step_us / step_floor_us:.3f}x)",
+             f"{'role':22s} {'impl':>8s} {'n':>3s} {'time us':>9s} {'floor us':>9s} {'ratio':>6s} {'lost us':>8s}"]
+    for r in sorted(rows, key=lambda r: -r["loss_us"]):
+        ratio = r["us"] / r["floor_us"] if r["floor_us"] else float("nan")
+        lines.append(f"{r['role']:22s} {r['impl']:>8s} {r['count']:3d} "
+                     f"{r['us']:9.1f} {r['floor_us']:9.1f} {ratio:6.2f} {r['loss_us']:8.1f}")
+    alone = sum(r["us"] for r in rows)
+    lines.append(f"{'sum of kernels alone':22s} {'':>8s} {'':>3s} {alone:9.1f} "
+                 f"{sum(r['floor_us'] for r in rows):9.1f}")
+    lines.append(f"step - sum alone: {step_us - alone:+.1f} us "
+                 "(negative: PDL overlap wins more than the launches cost)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import torch
+
+    import graphc
+    from graphc.bench import time_replays
+    from graphc.floor import step_floor_s
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec")
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--out", help="write the profiles and tables as JSON here")
+    args = ap.parse_args()
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    step = graphc.build(args.spec, batch_sizes=sizes, progress=None)
+    dims = {"context": args.context}
+    results = []
+    for b in sizes:
+        tokens = torch.zeros(b, dtype=torch.long, device="cuda")
+        step(tokens, torch.full((b,), args.context - 1, dtype=torch.int32, device="cuda"))
+        step_us = time_replays(lambda: step.graphs[b].replay()) * 1e6
+        prof = step.profile(b, context=args.context)
+        schedule = step.schedules[b]
+        floors = {k.node: k.op.bytes_moved({"T": b, "slots": b + 1, **dims}) / H200_HBM_BYTES_PER_S * 1e6
+                  for k in schedule.kernels}
+        rows = breakdown(prof, floors)
+        print(format_breakdown(rows, step_us, step_floor_s(schedule, b, args.context) * 1e6, b), flush=True)
+        print()
+        results.append({"batch": b, "step_us": step_us, "profile": prof, "roles": rows})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""CPU checks of the benchmark tools' bookkeeping (their GPU runs are in bench/)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from graphc.floor import H200_HBM_BYTES_PER_S
+from graphc.graph import build_graph
+from graphc.schedule import build_schedule
+from graphc.spec import load_spec
+
+BENCH = pathlib.Path(__file__).parent.parent / "bench"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_breakdown_groups_layers_into_roles():
+    breakdown = _load("step_breakdown")
+    schedule = build_schedule(build_graph(load_spec("layer_specs/tiny.yaml")))
+    sizes = {"T": 8, "slots": 9, "context": 100}
+    floors = {k.node: k.op.bytes_moved(sizes) / H200_HBM_BYTES_PER_S * 1e6 for k in schedule.kernels}
+    # A recorded-style profile: every kernel at 1.25x its floor plus 2 us, layer 0 twice as slow.
+    kernels = [{"node": k.node, "kind": k.op.kind,
+                "duration_us": (1.25 * floors[k.node] + 2) * (2 if k.node.startswith("L00.") else 1)}
+               for k in schedule.kernels]
+    profile = {"implementations": schedule.implementations(), "kernels": kernels}
+    rows = {r["role"]: r for r in breakdown.breakdown(profile, floors)}
+
+    assert set(rows) == {"embed", "attn_res.attn", "attn.qkv", "attn.attention", "attn.o_proj",
+                         "attn_res.mlp", "mlp.gate_up", "mlp.down", "final.attn_res", "lm_head"}
+    down = [f for node, f in floors.items() if node.endswith(".mlp.down")]
+    assert rows["mlp.down"]["count"] == len(down) == 4
+    assert rows["mlp.down"]["floor_us"] == pytest.approx(sum(down))
+    assert rows["mlp.down"]["us"] == pytest.approx(1.25 * sum(down) + 8 + 1.25 * down[0] + 2)
+    assert rows["lm_head"]["loss_us"] == pytest.approx(0.25 * floors["lm_head"] + 2)
+    table = breakdown.format_breakdown(list(rows.values()), step_us=500.0, step_floor_us=400.0, batch=8)
+    assert "batch 8: step 500 us, floor 400 us (1.250x)" in table
+    # Sorted by time lost: layer-repeated roles before the one-off embedding gather.
+    order = [line.split()[0] for line in table.splitlines()[2:-2]]
+    assert order.index("mlp.gate_up") < order.index("embed")
