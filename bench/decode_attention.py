@@ -3,9 +3,10 @@
     python3 bench/decode_attention.py        # Kimi K3 attention: 64 heads, 8 KV heads, dim 128
     python3 bench/decode_attention.py --rows 64 --chunk 256,512 --warps 4,8 --no-fp32
 
-``pv`` is the p @ V product: ``fp32`` exact FMAs, ``bf16`` tensor cores with p rounded to
-bf16. Every configuration is checked against the torch reference (``err``: max abs error of
-the output) before it is timed.
+``pv`` is the p @ V product (``--pv``): ``fp32`` exact FMAs, ``bf16`` tensor cores with p rounded
+to bf16, ``bf16x2`` tensor cores with p split into two bf16 terms (the default). Every
+configuration is checked against the torch reference before it is timed: ``err`` is the
+output's max abs error, ``differ`` the share of output elements not bitwise equal to it.
 """
 import argparse
 import itertools
@@ -26,6 +27,7 @@ ap.add_argument("--chunk", type=_ints, default=[64, 128, 256])
 ap.add_argument("--block-n", type=_ints, default=[32, 64, 128])
 ap.add_argument("--warps", type=_ints, default=[4])
 ap.add_argument("--stages", type=_ints, default=[2, 3, 4])
+ap.add_argument("--pv", default="bf16x2", help="p @ V modes, comma-separated (bf16x2, bf16)")
 ap.add_argument("--no-fp32", action="store_true", help="skip the two fp32 p @ V reference rows")
 ap.add_argument("--layouts", default="head-major",
                 help="KV cache storage, comma-separated: head-major ([slot, 2, head, pos, dim], "
@@ -33,13 +35,14 @@ ap.add_argument("--layouts", default="head-major",
 args = ap.parse_args()
 
 H, KV, HD, C = 64, 8, 128, 2048
-CONFIGS = ([] if args.no_fp32 else [(64, 32, 4, 3, False), (256, 32, 4, 3, False)]) + [
-    (chunk, bn, warps, stages, True)
-    for chunk, bn, warps, stages in itertools.product(args.chunk, args.block_n, args.warps, args.stages)
+CONFIGS = ([] if args.no_fp32 else [(64, 32, 4, 3, "fp32"), (256, 32, 4, 3, "fp32")]) + [
+    (chunk, bn, warps, stages, pv)
+    for chunk, bn, warps, stages, pv in itertools.product(args.chunk, args.block_n, args.warps, args.stages,
+                                                          args.pv.split(","))
     if bn <= chunk]
 op = DecodeAttentionOp(name="attn", heads=H, kv_heads=KV, head_dim=HD, max_context=C)
-print(f"{'layout':>13} {'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>5} "
-      f"{'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8}")
+print(f"{'layout':>13} {'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>6} "
+      f"{'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8} {'differ':>7}")
 
 
 def cache(T: int, layout: str) -> torch.Tensor:
@@ -60,21 +63,22 @@ for layout, T in itertools.product(args.layouts.split(","), args.rows):
     ref_kv = kvs[0].clone()
     ref_out = torch.empty_like(out)
     op.reference({"qkv": qkv, "kv": ref_kv, "seq_lens": lens, "cache_slots": slots, "out": ref_out}, {})
-    for chunk, bn, warps, stages, pv_bf16 in CONFIGS:
+    for chunk, bn, warps, stages, pv in CONFIGS:
         def run(kv=kvs):
             for cache_ in kv:
                 decode_attention(qkv, cache_, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD,
                                  chunk=chunk, block_n=bn, num_warps=warps, num_stages=stages,
-                                 pv_bf16=pv_bf16)
+                                 pv=pv)
         out.fill_(float("nan"))
         decode_attention(qkv, kvs[0], lens, slots, out, heads=H, kv_heads=KV, head_dim=HD, chunk=chunk,
-                         block_n=bn, num_warps=warps, num_stages=stages, pv_bf16=pv_bf16)
+                         block_n=bn, num_warps=warps, num_stages=stages, pv=pv)
         err = (out.float() - ref_out.float()).abs().max().item()
+        differ = (out != ref_out).float().mean().item()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(5):
                 run()
         t = time_replays(g.replay, 3, 20) / 10
         print(f"{layout:>13} {T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} "
-              f"{'bf16' if pv_bf16 else 'fp32':>5} {t * 1e6:8.1f} {floor * 1e6:9.1f} {t / floor:6.2f} {err:8.1e}",
+              f"{pv:>6} {t * 1e6:8.1f} {floor * 1e6:9.1f} {t / floor:6.2f} {err:8.1e} {differ:7.1%}",
               flush=True)

@@ -14,11 +14,14 @@ also folds in the new token (straight from qkv) and appends its K/V at position 
 position no other program reads. The last split of a (row, KV head) to finish combines the
 partials and writes the output (an arrival counter; no second kernel, no second launch gap).
 
-Both products run on tensor cores: q @ K^T in bf16, and p @ V with the probabilities rounded
-to bf16 (relative 2^-9, as FlashAttention does); the softmax statistics and the accumulator
-stay fp32. At 64 rows this took the kernel from 147 to 89 us per layer (context 1024, floor
-62 us), because the exact fp32 p @ V was compute-bound on CUDA cores; combining the splits in
-the kernel then took it to 73 us.
+Both products run on tensor cores: q @ K^T in bf16 (exact products, fp32 sums), and p @ V
+with the fp32 probabilities split into two bf16 terms, p = hi + lo (``pv="bf16x2"``): two
+MMAs whose sum carries 16 bits of p's mantissa (relative 2^-17), so the result matches the
+fp32 reference up to summation order, as DESIGN's fp32 attention asks. Rounding p to one bf16
+(``"bf16"``, relative 2^-9, FlashAttention's choice) moved an 8-layer model's logits as much as
+flipping one ulp of every op's output (bench/decode_attention_notes.md v10). The exact fp32
+p @ V on CUDA cores (``"fp32"``) was compute-bound: 147 us at 64 rows against 89 on tensor
+cores (context 1024, floor 62 us); combining the splits in the kernel then took it to 73 us.
 """
 
 from __future__ import annotations
@@ -29,21 +32,25 @@ import torch
 import triton
 import triton.language as tl
 
-PV_BF16 = True     # p @ V on tensor cores with p rounded to bf16 (False: exact fp32 FMAs)
+# How p @ V is computed: "bf16x2" (p = hi + lo, two bf16 MMAs, 2^-17 relative), "bf16" (p rounded
+# to bf16, one MMA, 2^-9) or "fp32" (exact FMAs on CUDA cores). Benchmarks compare them.
+PV_MODES = {"fp32": 0, "bf16": 1, "bf16x2": 2}
+DEFAULT_PV = "bf16x2"
 
 
 def default_tiling(rows: int) -> tuple[int, int, int]:
     """(chunk, block_n, num_stages): cached positions per program, keys per loop step and
-    pipeline depth. Measured on an H200 (bench/decode_attention.py, context 1024,
-    bench/results/decode_attention_sweep_combined_*): few rows want more programs in flight,
-    many rows want long chunks (fewer partials for the last split to combine)."""
+    pipeline depth. Measured on an H200 with p @ V as bf16x2 (bench/decode_attention.py,
+    context 1024, bench/results/decode_attention_sweep_bf16x2_*): few rows want more
+    programs in flight, many rows want long chunks (fewer partials to combine, and at 32+
+    rows 256-1024 programs that fill the SMs in one or two rounds)."""
     if rows <= 2:
-        return 128, 64, 3      # 8.3 us at 1 row
-    if rows <= 4:
-        return 256, 64, 3      # 9.8 us at 4 rows
+        return 128, 64, 3      # 7.9 us at 1 row
     if rows <= 16:
-        return 512, 64, 3      # 15.6 us at 8 rows, 24.9 at 16
-    return 512, 64, 2          # 73.0 us at 64 rows (floor 62.4; fp32 p @ V, two kernels: 146.9)
+        return 512, 64, 3      # 14.4 us at 8 rows
+    if rows <= 48:
+        return 1024, 64, 4     # 38.7 us at 32 rows (512/64/2: 47.3)
+    return 1024, 32, 4         # 70.7 us at 64 rows (512/64/2: 77.5; floor 62.4)
 
 
 _workspaces: dict = {}
@@ -54,13 +61,12 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
               stride_pos, stride_kind, stride_head, stride_out, scale,
               H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
               HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-              NP: tl.constexpr, PV_BF16: tl.constexpr, TRIGGER: tl.constexpr):
-    if TRIGGER:
-        # Let a PDL-launched successor (the o_proj decode GEMM) start streaming its weights
-        # now: it reads our output only after its own griddepcontrol.wait, which waits for
-        # this grid to complete. Fires once every program has executed it, so the successor
-        # never takes an SM from a program of ours that has not started.
-        tl.extra.cuda.gdc_launch_dependents()
+              NP: tl.constexpr, PV: tl.constexpr):
+    # Let a PDL-launched successor (the o_proj decode GEMM) start streaming its weights now: it
+    # reads our output only after its own griddepcontrol.wait, which waits for this grid to
+    # complete. Fires once every program has executed it, so the successor never takes an SM
+    # from a program of ours that has not started.
+    tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -88,11 +94,16 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
         alpha = tl.exp(m - m_new)
         p = tl.exp(sc - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        if PV_BF16:
-            # Tensor cores, as FlashAttention does: p in [0, 1] rounded to bf16 (2^-9 relative).
-            pv = tl.dot(p.to(tl.bfloat16), v)
-        else:
+        if PV == 0:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            # Tensor cores: p in [0, 1] as bf16 hi (+ the bf16 remainder lo, which the first
+            # rounding left behind: p - hi is exact in fp32). v is bf16 already, so each
+            # product is exact and the fp32 accumulation is the only other rounding.
+            hi = p.to(tl.bfloat16)
+            pv = tl.dot(hi, v)
+            if PV == 2:
+                pv = tl.dot((p - hi.to(tl.float32)).to(tl.bfloat16), v, pv)
         acc = acc * alpha[:, None] + pv
         m = m_new
     if s == 0:
@@ -149,13 +160,15 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
                      head_dim: int, chunk: int | None = None, block_n: int | None = None,
-                     num_warps: int = 4, num_stages: int | None = None, pv_bf16: bool = PV_BF16,
-                     trigger: bool = True) -> None:
+                     num_warps: int = 4, num_stages: int | None = None, pv: str = DEFAULT_PV) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention (kv: [slots, 2, kv_heads,
     max_context, head_dim], any strides). The tiling arguments default to
-    ``default_tiling(rows)``. ``trigger`` (default) executes ``griddepcontrol.launch_dependents``
-    at entry, so a successor launched with the PDL attribute overlaps this kernel."""
+    ``default_tiling(rows)``; ``pv`` is one of ``PV_MODES``. Executes
+    ``griddepcontrol.launch_dependents`` at entry, so a successor launched with the PDL
+    attribute overlaps this kernel."""
+    if pv not in PV_MODES:
+        raise ValueError(f"pv={pv!r} unsupported: one of {', '.join(PV_MODES)}")
     T, C = qkv.shape[0], kv.shape[3]
     tiled = default_tiling(T)
     chunk = chunk or tiled[0]
@@ -181,4 +194,4 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
         1.0 / math.sqrt(head_dim),
         H=heads, KV=kv_heads, G=G, GP=max(16, triton.next_power_of_2(G)), HD=head_dim,
         CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, NP=triton.next_power_of_2(nsplit),
-        PV_BF16=pv_bf16, TRIGGER=bool(trigger), num_warps=num_warps, num_stages=num_stages)
+        PV=PV_MODES[pv], num_warps=num_warps, num_stages=num_stages)

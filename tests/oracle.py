@@ -105,7 +105,7 @@ class EagerModel:
                 heads.append(sum(pi * vv[g] for pi, (_, vv) in zip(prob, history)))
             a = linear(f"{p}.attn.o_proj", _bf16(torch.cat(heads)))
             h = residual(f"{p}.{name}.mlp", a, nb=nb + int(start), has_delta=not start, write=-1)
-            gu = linear(f"{p}.mlp.gate_up", h)
+            gu = w[f"{p}.mlp.gate_up.weight"] @ h           # the fp32 projection, not rounded
             inter = layer.mlp.intermediate
             act = _bf16(torch.nn.functional.silu(gu[:inter]) * gu[inter:])
             incoming = linear(f"{p}.mlp.down", act)

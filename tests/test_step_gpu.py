@@ -28,15 +28,23 @@ def reference_call(plan, tokens, seq_lens, slots):
 
 
 def check_logits(got, want, tolerance=2e-2):
+    """Relative error below ``tolerance``, and the reference's argmax on every row whose top two
+    logits are apart (where they tie within bf16 noise either token is right). Returns the
+    relative error and the per-row argmax agreement (all rows)."""
     got, want = got.float(), want.float()
     assert not torch.isnan(got).any()
     rel = (got - want).norm() / want.norm()
     assert rel < tolerance, rel
-    agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    same = got.argmax(-1) == want.argmax(-1)
     top2 = want.topk(2, -1).values
     decided = (top2[:, 0] - top2[:, 1]) > 0.02 * want.abs().max()
-    assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided]), agree
-    return rel.item(), agree.item()
+    assert same[decided].all(), same.float().mean()
+    return rel.item(), same
+
+
+# Per-row argmax agreement of every step checked against the reference, pooled over the batch
+# sizes of test_kimi_8l_four_steps_against_reference for the >= 99% check after them.
+ARGMAX_AGREEMENT: list[torch.Tensor] = []
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +75,11 @@ def test_kimi_8l_four_steps_against_reference(step8l, batch):
 
     1. The captured step (graphs, PDL edges, padding) is bitwise identical to the same kernels
        launched eagerly one at a time with no overlap: capture and PDL change nothing.
-    2. Its logits agree with the all-torch reference executor. Eight random layers carry
-       one-ulp bf16 differences forward, so besides 2e-2 the yardstick is how far the
-       reference moves when one separately validated kernel is swapped in (attention or
-       AttnRes alone); the step may differ by twice that. It must also pick the reference's
-       token wherever the reference's top two logits are apart. A wiring error gives ~1.
+    2. Its logits agree with the all-torch reference executor: relative error < 2e-2 and the
+       same argmax wherever the reference's top two logits are apart (the pooled agreement over
+       all rows is checked below). For scale, the printed yardstick is how far the reference
+       moves when one separately validated kernel (attention or AttnRes) is swapped in. A
+       wiring error gives ~1.
     """
     ref = reference_twin(step8l)
     swaps = [reference_twin(step8l, {"decode_attention": "triton"}), reference_twin(step8l, {"attn_res": "cute"})]
@@ -87,8 +95,20 @@ def test_kimi_8l_four_steps_against_reference(step8l, batch):
         assert torch.equal(got, eager_call(eager, size, tokens, start + s, slots))
         want = reference_call(ref, tokens, start + s, slots).clone()
         yard = max(relative(eager_call(p, batch, tokens, start + s, slots), want) for p in swaps)
-        rel, agree = check_logits(got, want, tolerance=max(2e-2, 2 * yard))
-        print(f"batch {batch} step {s}: rel {rel:.2e} (one-kernel swap {yard:.2e}) argmax agree {agree:.3f}")
+        rel, same = check_logits(got, want)
+        ARGMAX_AGREEMENT.append(same.cpu())
+        print(f"batch {batch} step {s}: rel {rel:.2e} (one-kernel swap {yard:.2e}) "
+              f"argmax agree {same.float().mean():.3f}")
+
+
+def test_argmax_agrees_on_99_percent_of_rows(step8l):
+    """The issue's criterion over every row the four-step test checked (1 + 5 + 32 + 3 rows,
+    four steps each)."""
+    if not ARGMAX_AGREEMENT:
+        pytest.skip("needs test_kimi_8l_four_steps_against_reference in the same run")
+    same = torch.cat(ARGMAX_AGREEMENT)
+    print(f"argmax agrees on {int(same.sum())} of {same.numel()} rows")
+    assert same.float().mean() >= 0.99
 
 
 def test_replays_are_bitwise_identical(step8l):
@@ -130,7 +150,20 @@ def test_tiny_step_and_profile(tmp_path):
     write_schedule_html(step.schedule, tmp_path / "t.html", profile=prof)
 
 
-def test_decode_attention_kernel_against_reference():
+def bf16_ulps_apart(a, b):
+    """Elementwise distance of two bf16 tensors in units in the last place (0 and -0 equal)."""
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.parametrize("pv", ["bf16x2", "bf16"])
+def test_decode_attention_kernel_against_reference(pv):
+    """The Triton kernel against the op's fp32 torch reference over ragged lengths, both cache
+    layouts and forced split counts. With p @ V as two bf16 MMAs (the default) only the fp32
+    summation order differs from the reference, so outputs are within one bf16 ulp; with p
+    rounded to one bf16 the error is bounded relatively."""
     from graphc.graph import build_graph
     from graphc.spec import load_spec
     from graphc.kernels.decode_attention import decode_attention
@@ -154,18 +187,27 @@ def test_decode_attention_kernel_against_reference():
         want = torch.full((T, 64 * 128), float("nan"), device="cuda", dtype=torch.bfloat16)
         got = want.clone()
         op.reference({"qkv": qkv, "kv": want_kv, "seq_lens": lens, "cache_slots": slots, "out": want}, {})
-        decode_attention(qkv, got_kv, lens, slots, got, heads=64, kv_heads=8, head_dim=128, chunk=chunk)
+        decode_attention(qkv, got_kv, lens, slots, got, heads=64, kv_heads=8, head_dim=128, chunk=chunk, pv=pv)
         assert torch.equal(got_kv, want_kv)
         # The in-kernel combine leaves its arrival counters at zero, and a second launch over the
         # same cache (the appended token rewritten with the same values) gives the same bits.
         again = torch.full_like(got, float("nan"))
-        decode_attention(qkv, got_kv, lens, slots, again, heads=64, kv_heads=8, head_dim=128, chunk=chunk)
+        decode_attention(qkv, got_kv, lens, slots, again, heads=64, kv_heads=8, head_dim=128, chunk=chunk, pv=pv)
         assert torch.equal(again, got)
         assert all(int(ws[3].abs().sum()) == 0 for ws in module._workspaces.values())
         assert not torch.isnan(got).any()
         rel = (got.float() - want.float()).norm() / want.float().norm()
-        assert rel < 1e-2, (T, rel)
-        # p @ V runs on tensor cores with p rounded to bf16 (2^-9), as FlashAttention does: no
-        # longer bitwise equal to the fp32 reference, but no element strays far.
-        worst = (got.float() - want.float()).abs().max() / want.float().abs().max()
-        assert worst < 2e-2, (T, worst)
+        if pv == "bf16x2":
+            # Within one bf16 ulp, except near zero, where the fp32 sums' order shows through
+            # as more ulps of a tiny value: there, within 2^-10 of the largest output.
+            ulps = bf16_ulps_apart(got, want)
+            near_zero = (got.float() - want.float()).abs() <= want.float().abs().max() / 1024
+            assert bool(((ulps <= 1) | near_zero).all()), (T, int(ulps.max()))
+            assert rel < 2e-3, (T, rel)
+            print(f"T={T}: {(ulps > 0).float().mean():.2%} of outputs off by one ulp or more, "
+                  f"{(ulps > 1).float().mean():.3%} by more (near zero), rel {rel:.1e}")
+        else:
+            # p rounded to bf16 (2^-9), as FlashAttention does: no element strays far.
+            assert rel < 1e-2, (T, rel)
+            worst = (got.float() - want.float()).abs().max() / want.float().abs().max()
+            assert worst < 2e-2, (T, worst)
