@@ -9,7 +9,8 @@ its last k-block and ended (``%globaltimer``), for finding tails and imbalance
 The instrumented kernel is generated from ``kernels/gemm.py`` by inserting four timer stores
 at fixed anchors (written to ``kernels/_gemm_timeline.py``, git-ignored) so the shipped
 kernel carries no instrumentation; if an anchor moved, this script says which. The times go
-to extra int32 words after the split-tile counters. Each argument is ``shape:M`` with a shape
+to extra int32 words after the split-tile counters (``WORDS`` per CTA, including the phases
+of the CTA's last split-tile reduction). Each argument is ``shape:M`` with a shape
 of bench/gemm.py; the kernel runs 3 x 6 times eagerly with PDL over 6 weight copies and the
 last call's timeline is printed (in µs from the first CTA's entry).
 """
@@ -31,25 +32,44 @@ def bench_shapes() -> dict[str, tuple]:
 
     return {name: (k, n, e) for name, k, n, e in BIG_SHAPES}
 
+# Timer words per CTA after the split-tile counters: entry, PDL wait passed, last k-block
+# done, end, and for the CTA's last split-tile reduction: arrived, published (a contributor)
+# or partials ready (the reducer), summed (the reducer), role (1 contributor, 2 reducer).
+WORDS = 8
+_T = "cute.arch.globaltimer_lo()"
+_AT = "mCount[2 * cfg.tiles + 8 * cta + {}]"
+
 # (anchor in kernels/gemm.py, replacement): the instrumentation, one timer word per point.
 PATCHES = [
     ("cute.make_layout(2 * cfg.tiles),      # arrived[tiles], ready[tiles]",
-     "cute.make_layout(2 * cfg.tiles + 4 * cfg.ctas),"),
+     "cute.make_layout(2 * cfg.tiles + 8 * cfg.ctas),"),
     ("counters = torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device)",
-     "counters = torch.zeros(2 * cfg.tiles + 4 * cfg.ctas, dtype=torch.int32, device=device)"),
+     "counters = torch.zeros(2 * cfg.tiles + 8 * cfg.ctas, dtype=torch.int32, device=device)"),
     ("        cute.arch.griddepcontrol_launch_dependents()\n",
-     "        cute.arch.griddepcontrol_launch_dependents()\n        t_entry = cute.arch.globaltimer_lo()\n"),
+     f"        cute.arch.griddepcontrol_launch_dependents()\n        t_entry = {_T}\n"),
     ("            cute.arch.griddepcontrol_wait()\n            self.consumer(tiled_mma",
      "            cute.arch.griddepcontrol_wait()\n            if tidx == 0:\n"
-     "                mCount[2 * cfg.tiles + 4 * cta] = t_entry\n"
-     "                mCount[2 * cfg.tiles + 4 * cta + 1] = cute.arch.globaltimer_lo()\n"
+     f"                {_AT.format(0)} = t_entry\n"
+     f"                {_AT.format(1)} = {_T}\n"
      "            self.consumer(tiled_mma"),
     ("            warpgroup.wait_group(0)\n",
      "            warpgroup.wait_group(0)\n            if tidx == 0:\n"
-     "                mCount[2 * cfg.tiles + 4 * cta + 2] = cute.arch.globaltimer_lo()\n"),
-    ("                self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid)\n",
-     "                self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid)\n"
-     "        if tidx == 0:\n            mCount[2 * cfg.tiles + 4 * cta + 3] = cute.arch.globaltimer_lo()\n"),
+     f"                {_AT.format(2)} = {_T}\n"),
+    ("                                       tile == t_last, staged, stage_area)\n",
+     "                                       tile == t_last, staged, stage_area)\n"
+     f"        if tidx == 0:\n            {_AT.format(3)} = {_T}\n"),
+    ("        arrived = flag[0]\n",
+     f"        arrived = flag[0]\n        if leader:\n            {_AT.format(4)} = {_T}\n"),
+    ('                cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")\n',
+     '                cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")\n'
+     f"                {_AT.format(5)} = {_T}\n                {_AT.format(7)} = Int32(1)\n"),
+    ("            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)\n            if const_expr(cfg.bulk_reduce):\n",
+     "            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)\n            if leader:\n"
+     f"                {_AT.format(5)} = {_T}\n                {_AT.format(7)} = Int32(2)\n"
+     "            if const_expr(cfg.bulk_reduce):\n"),
+    ("            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs)\n",
+     f"            if leader:\n                {_AT.format(6)} = {_T}\n"
+     "            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs)\n"),
     ('_CACHE = CompileCache("gemm", _build', '_CACHE = CompileCache("gemm_timeline", _build'),
 ]
 
@@ -88,12 +108,13 @@ def timeline(g, name: str, m: int) -> None:
             g.linear(xs[j], ws[j], outs[j], epilogue=e)
     torch.cuda.synchronize()
     words = g._workspace(cfg, torch.device("cuda", torch.cuda.current_device()))[1]
-    t = words[2 * cfg.tiles:].view(cfg.ctas, 4).cpu().long()
-    t = (t - t[:, 0].min()) % (1 << 32)                     # globaltimer_lo wraps every 4.3 s
-    entry, waited, loop_end, end = (t[:, i].float() / 1000 for i in range(4))
+    w = words[2 * cfg.tiles:].view(cfg.ctas, WORDS).cpu().long()
+    role = w[:, 7]
+    t = (w[:, :7] - w[:, 0].min()) % (1 << 32)              # globaltimer_lo wraps every 4.3 s
+    entry, waited, loop_end, end, arrived, ready, summed = (t[:, i].float() / 1000 for i in range(7))
 
     def q(v):
-        return f"min {v.min():7.2f}  median {v.median():7.2f}  max {v.max():7.2f}"
+        return f"min {v.min():7.2f}  median {v.median():7.2f}  max {v.max():7.2f}" if v.numel() else "none"
 
     print(f"{name}:{m} {cfg}")
     print(f"  entry                  {q(entry)} us from the first CTA's entry")
@@ -105,6 +126,20 @@ def timeline(g, name: str, m: int) -> None:
     order = torch.argsort(loop_end)
     print("  first CTAs done:", [(int(c), round(float(loop_end[c]), 1)) for c in order[:6]])
     print("  last CTAs done: ", [(int(c), round(float(loop_end[c]), 1)) for c in order[-6:]])
+    # The CTA's last split-tile reduction, if its last tile was split (the end of its range).
+    last_split = (role > 0) & (arrived >= loop_end)
+    for r, label in ((1, "contributors"), (2, "reducers")):
+        sel = last_split & (role == r)
+        print(f"  {label:12s} ({int(sel.sum())}): last k-block->arrived {q((arrived - loop_end)[sel])}")
+        if r == 1:
+            print(f"  {'':12s}       arrived->published {q((ready - arrived)[sel])}, published->end {q((end - ready)[sel])}")
+        else:
+            print(f"  {'':12s}       arrived->partials ready {q((ready - arrived)[sel])}, ready->summed "
+                  f"{q((summed - ready)[sel])}, summed->end (y stores) {q((end - summed)[sel])}")
+    worst = torch.argsort(end, descending=True)[:4]
+    print("  latest ends (cta, role, last k-block, arrived, ready, summed, end):",
+          [(int(c), int(role[c]), *(round(float(v[c]), 1) for v in (loop_end, arrived, ready, summed, end)))
+           for c in worst])
 
 
 def main() -> None:

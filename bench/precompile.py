@@ -71,9 +71,9 @@ def gemm_configs(extra_tunings=(), extra_ms=()) -> list[tuple]:
     for k, n, e in sorted(set(SPEC_SHAPES) | spec_linear_shapes(), key=str):
         for m in STEP_BATCH_SIZES:
             wanted.append((m, k, n, e, {}))
-    for _, k, n, e in BENCH_SHAPES:                  # bench/gemm.py --tunings
-        for m in extra_ms:
-            wanted += [(m, k, n, e, tuning) for _, tuning in extra_tunings]
+    for _, k, n, e in BENCH_SHAPES:                  # bench/gemm.py --m ... --tunings: each row
+        for m in extra_ms:                           # times the default and the given tunings
+            wanted += [(m, k, n, e, {})] + [(m, k, n, e, tuning) for _, tuning in extra_tunings]
     for m in (1, 8, 64):                             # bench/chain.py
         for pf in (None, 0, 16):
             wanted.append((m, 7168, 7168, None, {"l2_prefetch": pf}))

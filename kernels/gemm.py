@@ -25,6 +25,9 @@ Structure
   ever on CTAs that already arrived, i.e. are running, so no co-residency is assumed), sums
   all partials in CTA order, its own from registers, writes y and resets both counters for
   the next launch. The order, not the arrival, fixes the result: replays are bitwise equal.
+  When the tile is the last CTA's last (always, unless timing is pathological) and the
+  others' partials fit in its drained pipeline buffers, it bulk-copies them there
+  (``cp.async.bulk``, all in flight at once) and sums from shared memory.
 * **Pipeline**: a producer warp issues TMA (``cp.async.bulk.tensor``) loads of W (one 8 KB
   64x64 box per half, two per half with ``block_k = 128``) and x (one box per batch
   warpgroup) per stage into 128B-swizzled shared memory, completing on an mbarrier armed with
@@ -65,7 +68,7 @@ import cutlass.tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
+from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .compile_cache import CompileCache
@@ -181,6 +184,12 @@ class GemmConfig:
         # Workspace: two partial slots per CTA (its first and last segment can be partial).
         self.slot_floats = self.wgs * self.halves * self.frag * 128
         self.workspace_floats = 2 * self.ctas * self.slot_floats
+        # The reducer of a tile that is its CTA's last stages the other contributors'
+        # partials into the (then idle) pipeline buffers with bulk copies when they fit: all
+        # of them in flight at once instead of one register-limited round trip per
+        # contributor (and per 16 accumulators above M = 64). Not at M = 256 (128 KB each).
+        self.slot_bytes = 4 * self.slot_floats
+        self.bulk_reduce = (self.max_segs - 1) * self.slot_bytes <= self.stages * self.stage_bytes
 
     def _ctas_for(self, tiles: int, sms: int) -> int:
         """One CTA per SM, each with at least a third of a tile's k-blocks, so a tile is split
@@ -317,6 +326,7 @@ class DecodeGemmKernel:
             full: cute.struct.MemRange[Int64, cfg.stages]
             empty: cute.struct.MemRange[Int64, cfg.stages]
             flag: cute.struct.MemRange[Int32, 4]
+            staged: cute.struct.MemRange[Int64, 1]      # the reducer's bulk copies landed
             sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sX_layout)], 1024]
 
@@ -364,6 +374,10 @@ class DecodeGemmKernel:
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
         flag = storage.flag.data_ptr()
+        staged = storage.staged.data_ptr()
+        # sW then sX, contiguous (both 1024-aligned, sW a whole number of 8 KB boxes): the
+        # reducer's staging area once the pipeline is drained.
+        stage_area = cute.recast_ptr(storage.sW.data_ptr(), dtype=Float32)
         sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
 
@@ -373,6 +387,7 @@ class DecodeGemmKernel:
                     cute.arch.mbarrier_init(full + s, 1)
                     # One release per consumer warp.
                     cute.arch.mbarrier_init(empty + s, 4 * cfg.wgs)
+                cute.arch.mbarrier_init(staged, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -386,7 +401,7 @@ class DecodeGemmKernel:
         else:
             # Consumers touch global memory (workspace, counters, y) only after the wait.
             cute.arch.griddepcontrol_wait()
-            self.consumer(tiled_mma, sW, sX, full, empty, flag, mY, mWs, mCount,
+            self.consumer(tiled_mma, sW, sX, full, empty, flag, staged, stage_area, mY, mWs, mCount,
                           cta, tidx, warp, lane, g_begin, g_end)
 
     # --------------------------------------------------------------------------------------------
@@ -497,7 +512,7 @@ class DecodeGemmKernel:
         return slot
 
     @cute.jit
-    def consumer(self, tiled_mma, sW, sX, full, empty, flag, mY, mWs, mCount,
+    def consumer(self, tiled_mma, sW, sX, full, empty, flag, staged, stage_area, mY, mWs, mCount,
                  cta, tidx, warp, lane, g_begin, g_end):
         cfg = self.cfg
         wg = warp // 4
@@ -546,7 +561,8 @@ class DecodeGemmKernel:
             if kb_lo == 0 and kb_hi == cfg.k_blocks:
                 self.store_tile(accs, tCcAcc, mY, tile, wg_row, wg_col)
             else:
-                self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid)
+                self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid,
+                                       tile == t_last, staged, stage_area)
 
     @cute.jit
     def store_tile(self, accs, tCcAcc, mY, tile, wg_row, wg_col):
@@ -567,17 +583,20 @@ class DecodeGemmKernel:
                         mY[m, (unit * cfg.halves + h) * HALF_ROWS + row] = accs[h][j].to(BFloat16)
 
     @cute.jit
-    def ws_ptr(self, mWs, slot, wg, h: cutlass.Constexpr, j4: cutlass.Constexpr, wg_tid):
-        """Address of accumulators 4*j4 .. 4*j4+3 of half h of thread wg_tid's partial in
-        workspace slot ``slot``. Fragment order, thread-minor, four floats per thread: each
-        (slot, wg, h, j4) is 128 consecutive 16-byte vectors, so a warp's partial stores and
-        loads are 512 contiguous bytes, one 16-byte access per thread."""
+    def ws_ptr(self, base, slot, wg, h: cutlass.Constexpr, j4: cutlass.Constexpr, wg_tid):
+        """Address of accumulators 4*j4 .. 4*j4+3 of half h of thread wg_tid's partial in slot
+        ``slot`` of the workspace (``base`` = its first float; the reducer's shared-memory
+        staging area has the same layout). Fragment order, thread-minor, four floats per
+        thread: each (slot, wg, h, j4) is 128 consecutive 16-byte vectors, so a warp's partial
+        stores and loads are 512 contiguous bytes, one 16-byte access per thread; a slot is
+        ``slot_bytes`` contiguous bytes."""
         cfg = self.cfg
         vec = (((slot * cfg.wgs + wg) * cfg.halves + h) * (cfg.frag // 4) + j4) * 128 + wg_tid
-        return (mWs.iterator + vec * 4).llvm_ptr
+        return (base + vec * 4).llvm_ptr
 
     @cute.jit
-    def reduce_split_tile(self, accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid):
+    def reduce_split_tile(self, accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid,
+                          last_tile, staged, stage_area):
         """A tile whose k-blocks are spread over CTAs c_lo..c_hi (at most ``max_segs``).
 
         Arrive first (``arrived[tile]``): whoever is not last publishes its fp32 partial and
@@ -590,7 +609,10 @@ class DecodeGemmKernel:
         the largest loss of the kernel, so the partials move as 16-byte vectors, the last CTA
         loads only the partials that exist, and one thread per CTA does the release/acquire
         (barrier, then fence + atomic: CUTLASS's semaphore pattern) instead of every thread
-        fencing.
+        fencing. The sum itself then still cost one register-limited round trip per
+        contributor (and per 16 accumulators above M = 64: 7 µs at M = 128), so the reducer of
+        its CTA's last tile stages the partials in shared memory first (§8: 0.7-1.0 µs at
+        M = 64, 2.7 at 128).
         """
         cfg = self.cfg
         consumers = 128 * cfg.wgs
@@ -616,7 +638,7 @@ class DecodeGemmKernel:
             for h in cutlass.range_constexpr(cfg.halves):
                 for j4 in cutlass.range_constexpr(cfg.frag // 4):
                     v = vector.from_elements(f32x4, [accs[h][4 * j4 + e].ir_value() for e in range(4)])
-                    cute.arch.store(self.ws_ptr(mWs, my_slot, wg, h, j4, wg_tid), v)
+                    cute.arch.store(self.ws_ptr(mWs.iterator, my_slot, wg, h, j4, wg_tid), v)
             cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
             if leader:
                 cute.arch.fence_acq_rel_gpu()
@@ -629,32 +651,86 @@ class DecodeGemmKernel:
                     ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
                 mCount[tile] = Int32(0)              # both counters back to zero for the
                 mCount[cfg.tiles + tile] = Int32(0)  # next launch; nobody else touches them
+                if const_expr(cfg.bulk_reduce):
+                    if last_tile:
+                        # Our pipeline is drained: bulk-copy every other partial into it. They
+                        # were written by other SMs (generic proxy) and acquired above; the
+                        # proxy fence orders that before the bulk copies' (async proxy) reads.
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.mbarrier_arrive_and_expect_tx(staged, (c_hi - c_lo) * cfg.slot_bytes)
+                        for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
+                            if c != cta:
+                                src = mWs.iterator + self.slot_of(c, tile) * cfg.slot_floats
+                                dst = stage_area + self.staged_slot(c, c_lo, cta) * cfg.slot_floats
+                                bulk_copy_g2s(dst, src, cfg.slot_bytes, staged)
             cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
-            # Sum in CTA order, ours from registers: one round trip per other contributor,
-            # each loading its whole partial (written by other SMs: through L2, ld.cg). With
-            # more than 64 accumulators (M > 64) they go in chunks of 16, so the running sums
-            # and the loaded vectors fit in registers beside the accumulators (no spills).
-            n_acc = cfg.halves * cfg.frag
-            chunk = n_acc if n_acc <= 64 else 16
-            for f0 in cutlass.range_constexpr(0, n_acc, chunk):
-                fs = [(f // cfg.frag, f % cfg.frag) for f in range(f0, f0 + chunk)]   # (half, j)
-                total = cute.make_rmem_tensor(chunk, Float32)
-                total.fill(0.0)
-                for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
-                    if c == cta:
-                        for i in cutlass.range_constexpr(chunk):
-                            total[i] = total[i] + accs[fs[i][0]][fs[i][1]]
+            if const_expr(cfg.bulk_reduce):
+                if last_tile:
+                    cute.arch.mbarrier_wait(staged, 0)     # once per CTA: its last tile
+                    self.sum_partials(accs, stage_area, c_lo, c_hi, cta, tile, wg, wg_tid, True)
+                else:
+                    self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
+            else:
+                self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
+            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs)
+
+    @cute.jit
+    def staged_slot(self, c: Int32, c_lo: Int32, cta: Int32) -> Int32:
+        """Where contributor c's partial lands in the staging area: the others in CTA order."""
+        j = c - c_lo
+        if c > cta:
+            j = j - 1
+        return j
+
+    @cute.jit
+    def sum_partials(self, accs, base, c_lo, c_hi, cta, tile, wg, wg_tid, staged: cutlass.Constexpr):
+        """accs <- the sum of the tile's partials in CTA order, ours from registers, the others
+        from the staging area in shared memory (``staged``) or from the workspace (written by
+        other SMs: through L2, ld.cg). With more than 64 accumulators (M > 64) they go in
+        chunks of 16, so the running sums and the loaded vectors fit in registers beside the
+        accumulators (no spills). Either source gives the same bits: the same adds in the
+        same order."""
+        cfg = self.cfg
+        f32x4 = ir.VectorType.get([4], Float32.mlir_type)
+        n_acc = cfg.halves * cfg.frag
+        chunk = n_acc if n_acc <= 64 else 16
+        for f0 in cutlass.range_constexpr(0, n_acc, chunk):
+            fs = [(f // cfg.frag, f % cfg.frag) for f in range(f0, f0 + chunk)]   # (half, j)
+            total = cute.make_rmem_tensor(chunk, Float32)
+            total.fill(0.0)
+            for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
+                if c == cta:
+                    for i in cutlass.range_constexpr(chunk):
+                        total[i] = total[i] + accs[fs[i][0]][fs[i][1]]
+                else:
+                    if const_expr(staged):
+                        slot = self.staged_slot(c, c_lo, cta)
+                        parts = [cute.arch.load(self.ws_ptr(base, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
+                                                f32x4) for i in range(0, chunk, 4)]
                     else:
                         slot = self.slot_of(c, tile)
-                        parts = [cute.arch.load(self.ws_ptr(mWs, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
+                        parts = [cute.arch.load(self.ws_ptr(base, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
                                                 f32x4, cop="cg") for i in range(0, chunk, 4)]
-                        for i in cutlass.range_constexpr(chunk):
-                            part = Float32(vector.extract(parts[i // 4], dynamic_position=[],
-                                                          static_position=[i % 4]))
-                            total[i] = total[i] + part
-                for i in cutlass.range_constexpr(chunk):
-                    accs[fs[i][0]][fs[i][1]] = total[i]
-            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs)
+                    for i in cutlass.range_constexpr(chunk):
+                        part = Float32(vector.extract(parts[i // 4], dynamic_position=[],
+                                                      static_position=[i % 4]))
+                        total[i] = total[i] + part
+            for i in cutlass.range_constexpr(chunk):
+                accs[fs[i][0]][fs[i][1]] = total[i]
+
+
+def bulk_copy_g2s(dst, src, nbytes, bar) -> None:
+    """``cp.async.bulk`` of ``nbytes`` (a multiple of 16) from global ``src`` to shared ``dst``,
+    completing on the mbarrier ``bar`` (armed with the bytes by the caller)."""
+    llvm.inline_asm(
+        None,
+        [dst.toint().ir_value(), src.toint().ir_value(), Int32(nbytes).ir_value(), bar.toint().ir_value()],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
