@@ -80,7 +80,11 @@ DECODE_GEMM_MAX_BATCH = 16
 # than cuBLAS (bench/results/gemm_NVIDIA_H200_2026-11-30_c.json, M in 1..64, after the
 # vectorised split-tile reduction): the MLP's gate_up with its fused silu * up (125.8 us vs
 # 140.0 for cuBLAS + the activation kernel at M = 64), down (66.1 vs 75.0), and qkv and
-# o_proj up to 32 rows (0.94x, 0.95x; at 64 rows they lose, 1.03x and 1.05x).
+# o_proj up to 32 rows (0.94x, 0.95x; at 64 rows they lose, 1.03x and 1.05x). Checked in the
+# step itself (bench/results/step_crossover_ab_*, `graphc bench --quick`, A/B on one machine):
+# qkv and o_proj at 64 rows on the decode GEMM cost +64 us per step even at 1.017x alone, and
+# gate_up and down at 128 rows +80 us though faster alone; gate_up and down at 64 rows save
+# 110 us against cuBLAS (bench/step_notes.md).
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 64,
     (18432, 7168, None): 64,
