@@ -2,9 +2,9 @@
 
     python3 bench/step_breakdown.py layer_specs/kimi_k3_dense_8l.yaml --batch-sizes 32,64
 
-Builds the step, times the captured graph (as ``graphc bench``), then profiles every kernel
-alone (``DecodeStep.profile``: each kernel 10x in its own CUDA graph, no neighbours, no PDL
-overlap) and groups the kernels by role (``L03.mlp.down`` -> ``mlp.down``). Per role: the
+Builds the step, times the captured graph (``graphc.bench.bench_step``), then profiles
+every kernel alone (``DecodeStep.profile``: each kernel 10x in its own CUDA graph, no
+neighbours, no PDL overlap) and groups the kernels by role (``L03.mlp.down`` -> ``mlp.down``). Per role: the
 summed time, the summed floor (the op's own ``bytes_moved`` / 4.3 TB/s), their ratio and the
 time lost above the floor. The last lines compare the sum of isolated kernels with the step:
 what launch gaps cost (step > sum) or what PDL overlap wins (step < sum).
@@ -62,8 +62,8 @@ def main() -> None:
     import torch
 
     import graphc
-    from graphc.bench import time_replays
-    from graphc.floor import step_floor_s
+    from graphc.bench import bench_step
+    from graphc.floor import kernel_bytes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("spec")
@@ -74,20 +74,16 @@ def main() -> None:
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     step = graphc.build(args.spec, batch_sizes=sizes, progress=None)
-    dims = {"context": args.context}
     results = []
-    for b in sizes:
-        tokens = torch.zeros(b, dtype=torch.long, device="cuda")
-        step(tokens, torch.full((b,), args.context - 1, dtype=torch.int32, device="cuda"))
-        step_us = time_replays(lambda: step.graphs[b].replay()) * 1e6
+    for timed in bench_step(step.spec, sizes, args.context, step=step):     # as `graphc bench`
+        b = timed["batch"]
         prof = step.profile(b, context=args.context)
-        schedule = step.schedules[b]
-        floors = {k.node: k.op.bytes_moved({"T": b, "slots": b + 1, **dims}) / H200_HBM_BYTES_PER_S * 1e6
-                  for k in schedule.kernels}
+        floors = {node: n / H200_HBM_BYTES_PER_S * 1e6
+                  for node, n in kernel_bytes(step.schedules[b], b, args.context).items()}
         rows = breakdown(prof, floors)
-        print(format_breakdown(rows, step_us, step_floor_s(schedule, b, args.context) * 1e6, b), flush=True)
+        print(format_breakdown(rows, timed["step_us"], timed["floor_us"], b), flush=True)
         print()
-        results.append({"batch": b, "step_us": step_us, "profile": prof, "roles": rows})
+        results.append({"batch": b, "step_us": timed["step_us"], "profile": prof, "roles": rows})
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)

@@ -66,7 +66,8 @@ def cmd_build(args) -> int:
 
     sizes = args.batch_sizes
     spec, graph, schedule = _front(args.spec, use_pdl=not args.no_pdl, batch=sizes[0])
-    schedules = {b: build_schedule(graph, None, not args.no_pdl, batch=b) for b in sizes}
+    schedules = {b: schedule if b == sizes[0] else build_schedule(graph, None, not args.no_pdl, batch=b)
+                 for b in sizes}
     out = Path(args.out or Path("out") / Path(args.spec).stem)
     out.mkdir(parents=True, exist_ok=True)
     (out / "graph.json").write_text(json.dumps(graph_json(graph), indent=1))
@@ -86,8 +87,7 @@ def cmd_build(args) -> int:
             if spec.residual.kind == "attn_res" else ""))
     _say(f"  kernels {len(schedule.kernels)}, weights {wbytes / 1e9:.2f} GB")
     for group, s in _groups(schedules):
-        _say(f"  batch {', '.join(map(str, group))}: {len(s.pdl_edges())} PDL edges; "
-             + ", ".join(f"{kind} {impl}" for kind, impl in s.implementation_summary().items()))
+        _say(f"  batch {', '.join(map(str, group))}: {s.describe()}")
     _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")
     for b in args.batch_sizes:
         _say(f"    batch {b:4d}: {step_floor_s(schedule, b, ctx) * 1e6:10.1f} us")

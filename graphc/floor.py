@@ -8,19 +8,16 @@ from .schedule import Schedule
 H200_HBM_BYTES_PER_S = 4.3e12
 
 
-def step_bytes(schedule: Schedule, batch: int, context: int) -> int:
-    """Weights once, the KV cache actually read (``context`` tokens per row), activations."""
+def kernel_bytes(schedule: Schedule, batch: int, context: int) -> dict[str, int]:
+    """Node -> the bytes its kernel must move: its weights once, the KV cache actually read
+    (``context`` tokens per row), its activations."""
     sizes = {"T": batch, "context": context, "slots": batch + 1}
-    return sum(k.op.bytes_moved(sizes) for k in schedule.kernels)
+    return {k.node: k.op.bytes_moved(sizes) for k in schedule.kernels}
+
+
+def step_bytes(schedule: Schedule, batch: int, context: int) -> int:
+    return sum(kernel_bytes(schedule, batch, context).values())
 
 
 def step_floor_s(schedule: Schedule, batch: int, context: int) -> float:
     return step_bytes(schedule, batch, context) / H200_HBM_BYTES_PER_S
-
-
-def kind_bytes(schedule: Schedule, batch: int, context: int) -> dict[str, int]:
-    sizes = {"T": batch, "context": context, "slots": batch + 1}
-    out: dict[str, int] = {}
-    for k in schedule.kernels:
-        out[k.op.kind] = out.get(k.op.kind, 0) + k.op.bytes_moved(sizes)
-    return out

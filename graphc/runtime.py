@@ -243,7 +243,6 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
         from .capture import capture_all
 
         for b, s in schedules.items():
-            progress(f"batch {b}: " + ", ".join(f"{kind} {impl}" for kind, impl in s.implementation_summary().items())
-                     + f"; {len(s.pdl_edges())} PDL edges")
+            progress(f"batch {b}: {s.describe()}")
         graphs = capture_all(plan, schedules, progress)
     return DecodeStep(schedules, plan, graphs)

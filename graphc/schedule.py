@@ -94,6 +94,11 @@ class Schedule:
                 seen.append(k.impl)
         return {kind: "/".join(impls) for kind, impls in kinds.items()}
 
+    def describe(self) -> str:
+        """One line for people: ``"33 PDL edges; embedding torch, linear cute/cublas, ..."``."""
+        impls = ", ".join(f"{kind} {impl}" for kind, impl in self.implementation_summary().items())
+        return f"{len(self.pdl_edges())} PDL edges; {impls}"
+
 
 # --- the rule ---------------------------------------------------------------------------------
 
