@@ -14,8 +14,10 @@ finds its weights in L2). Per batch size M, all in CUDA graphs of 24 links:
 * ``cublas``: AttnRes (PDL) with torch.mm instead of our GEMM (full edges into cuBLAS).
 
 ``added`` = (chain - GEMMs alone) / links: what each AttnRes costs beyond the GEMMs' own time
-(issue 5's target: <= 1 us with PDL). ``pfN`` repeats gemm / pdl / added with N W iterations
-prefetched into L2 before the GEMM's wait (default: gemm.DEFAULT_L2_PREFETCH).
+(issue 5's target: <= 1 us with PDL). ``--tunings`` (the syntax of ``bench/gemm.py``; default:
+no / 16 W iterations prefetched into L2 before the GEMM's wait) repeats gemm / pdl / added with
+the GEMM built with other knobs, e.g. ``stages=6`` to leave more shared memory for the AttnRes
+CTAs that share its SMs.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ from graphc.bench import time_replays  # noqa: E402
 from graphc.kernels import gemm  # noqa: E402
 from graphc.kernels.attn_res import attn_res  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm import parse_tunings  # noqa: E402  (bench/gemm.py)
+
 D, NB, LINKS, EPS = 7168, 4, 24, 1e-6
-PREFETCH_VARIANTS = (0, 16)
+DEFAULT_TUNINGS = "l2_prefetch=0;l2_prefetch=16"
 
 
 def time_graph(fn, replays: int) -> float:
@@ -53,7 +58,7 @@ def time_graph(fn, replays: int) -> float:
     return time_replays(graph.replay, 3, replays)
 
 
-def bench(m: int, replays: int) -> dict:
+def bench(m: int, replays: int, tunings: list[tuple[str, dict]]) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -91,12 +96,12 @@ def bench(m: int, replays: int) -> dict:
     for name in ("pdl", "full"):
         row[name + "_added_s"] = row[name + "_s"] - row["gemm_s"]
     row["cublas_added_s"] = row["cublas_s"] - row["cublas_gemm_s"]
-    # What the L2 prefetch before the wait buys (the default is gemm.DEFAULT_L2_PREFETCH).
-    row["l2_prefetch"] = {}
-    for pf in PREFETCH_VARIANTS:
-        alone = time_graph(chain(True, with_res=False, l2_prefetch=pf), replays) / LINKS
-        linked = time_graph(chain(True, l2_prefetch=pf), replays) / LINKS
-        row["l2_prefetch"][pf] = {"gemm_s": alone, "pdl_s": linked, "added_s": linked - alone}
+    # The same with other GEMM knobs (by default: what the L2 prefetch before the wait buys).
+    row["tunings"] = {}
+    for label, tuning in tunings:
+        alone = time_graph(chain(True, with_res=False, **tuning), replays) / LINKS
+        linked = time_graph(chain(True, **tuning), replays) / LINKS
+        row["tunings"][label] = {"gemm_s": alone, "pdl_s": linked, "added_s": linked - alone}
     return row
 
 
@@ -104,22 +109,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,8,64")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--tunings", type=parse_tunings, default=parse_tunings(DEFAULT_TUNINGS),
+                    help=f"GEMM knob alternatives, bench/gemm.py syntax (default {DEFAULT_TUNINGS!r})")
     ap.add_argument("--out")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}: per link (AttnRes nb={NB} + {D}x{D} GEMM), {LINKS} links per graph")
     hdr = (f"{'M':>4} {'gemm us':>8} {'pdl us':>8} {'added':>7} {'full us':>8} {'added':>7} "
-           f"{'cuBLAS us':>9} {'+AttnRes':>9} {'added':>7}  l2 prefetch variants: gemm/pdl/added us")
+           f"{'cuBLAS us':>9} {'+AttnRes':>9} {'added':>7}  GEMM tunings: gemm/pdl/added us")
     print(hdr)
     rows = []
     for m in (int(v) for v in args.m.split(",")):
-        r = bench(m, args.replays)
+        r = bench(m, args.replays, args.tunings)
         rows.append(r)
         print(f"{m:>4} {r['gemm_s'] * 1e6:8.2f} {r['pdl_s'] * 1e6:8.2f} {r['pdl_added_s'] * 1e6:7.2f} "
               f"{r['full_s'] * 1e6:8.2f} {r['full_added_s'] * 1e6:7.2f} {r['cublas_gemm_s'] * 1e6:9.2f} "
               f"{r['cublas_s'] * 1e6:9.2f} {r['cublas_added_s'] * 1e6:7.2f}  "
-              + " ".join(f"pf{pf}: {v['gemm_s'] * 1e6:.2f}/{v['pdl_s'] * 1e6:.2f}/+{v['added_s'] * 1e6:.2f}"
-                         for pf, v in r["l2_prefetch"].items()), flush=True)
+              + " ".join(f"{label}: {v['gemm_s'] * 1e6:.2f}/{v['pdl_s'] * 1e6:.2f}/+{v['added_s'] * 1e6:.2f}"
+                         for label, v in r["tunings"].items()), flush=True)
         torch.cuda.empty_cache()
     result = {"gpu": props.name, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "hidden": D, "nb": NB, "rows": rows}

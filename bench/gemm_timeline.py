@@ -55,9 +55,10 @@ PATCHES = [
     ("            warpgroup.wait_group(0)\n",
      "            warpgroup.wait_group(0)\n            if tidx == 0:\n"
      f"                {_AT.format(2)} = {_T}\n"),
-    ("                                       tile == t_last, staged, stage_area)\n",
-     "                                       tile == t_last, staged, stage_area)\n"
-     f"        if tidx == 0:\n            {_AT.format(3)} = {_T}\n"),
+    # After the consumer's tile loop (whose last statement releases the stage held for y).
+    ("                    cute.arch.mbarrier_arrive(empty + s_last)\n\n    @cute.jit\n    def store_tile(",
+     "                    cute.arch.mbarrier_arrive(empty + s_last)\n"
+     f"        if tidx == 0:\n            {_AT.format(3)} = {_T}\n\n    @cute.jit\n    def store_tile("),
     ("        arrived = flag[0]\n",
      f"        arrived = flag[0]\n        if leader:\n            {_AT.format(4)} = {_T}\n"),
     ('                cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")\n',
@@ -67,9 +68,9 @@ PATCHES = [
      "            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)\n            if leader:\n"
      f"                {_AT.format(5)} = {_T}\n                {_AT.format(7)} = Int32(2)\n"
      "            if const_expr(cfg.bulk_reduce):\n"),
-    ("            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs)\n",
+    ("            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid)\n",
      f"            if leader:\n                {_AT.format(6)} = {_T}\n"
-     "            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs)\n"),
+     "            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid)\n"),
     ('_CACHE = CompileCache("gemm", _build', '_CACHE = CompileCache("gemm_timeline", _build'),
 ]
 

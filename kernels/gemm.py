@@ -81,7 +81,7 @@ TRIGGER = "early"
 EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
-TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves")
+TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
@@ -90,6 +90,7 @@ HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
 SMEM_BUDGET = 200 * 1024   # leaves room on the SM for a PDL dependent's CTAs
 SMEM_MAX = 220 * 1024      # under the 227 KB an sm_90 CTA may use (barriers, alignment)
 MAX_STAGES = 16
+Y_STAGING_MIN_MMA_N = 64   # y through shared memory from 64 batch columns (GemmConfig.y_staging)
 DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
 # L2 eviction hint for the W stream (CUTLASS's CacheHintSm90::EVICT_FIRST): weights are read
 # once per step, so they should not push x, the partials or the next kernel's data out of L2.
@@ -111,7 +112,7 @@ class GemmConfig:
 
     def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS, *,
                  block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None,
-                 stages: int | None = None, halves: int | None = None):
+                 stages: int | None = None, halves: int | None = None, y_staging: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -190,6 +191,43 @@ class GemmConfig:
         # contributor (and per 16 accumulators above M = 64). Not at M = 256 (128 KB each).
         self.slot_bytes = 4 * self.slot_floats
         self.bulk_reduce = (self.max_segs - 1) * self.slot_bytes <= self.stages * self.stage_bytes
+        # Epilogue through shared memory (``y_staging``): each warpgroup writes its bf16 output
+        # tile into the buffers of the stage it consumed last (released only afterwards), then
+        # stores y as 16-byte vectors, a warp writing four whole 128-byte row segments per
+        # instruction. Stored straight from the fragment layout, every 2-byte store instruction
+        # touches 8 half-filled sectors: 1.0 / 2.1 µs of the reducer's tail at M = 64 / 128
+        # (bench/gemm_notes.md §8). Each output half's tile (mma_n x 64 bf16) goes into the
+        # warpgroup's W boxes of that stage if it fits there, the last one into the stage's
+        # x buffer otherwise (when no other warpgroup shares it); for M > 128 (two batch
+        # warpgroups) it does not fit and y is stored from the fragments.
+        # Measured (bench/gemm.py --tunings y_staging=0, H200): 2.5-4% faster on all four Kimi
+        # shapes at M = 128, -1.2% to +0.6% at 64, and 0.3-1.9% slower at 8 (holding the
+        # stage through the epilogue costs more there than the few stores it saves), so the
+        # default is on from 64 batch columns.
+        self.out_halves = 1 if self.silu else self.halves
+        self.y_places = self._y_places()
+        if y_staging is None:
+            y_staging = int(self.y_places is not None and self.mma_n >= Y_STAGING_MIN_MMA_N)
+        if y_staging not in (0, 1) or (y_staging and self.y_places is None):
+            raise ValueError(f"y_staging={y_staging} unsupported here (0, or 1 when M <= 128)")
+        self.y_staging = int(y_staging)
+
+    def _y_places(self) -> list[tuple[str, int]] | None:
+        """Per output half: ("w", element offset into the warpgroup's W boxes of a stage) or
+        ("x", 0) for the stage's x buffer; None if the output tile does not fit."""
+        if self.col_wgs != 1:
+            return None
+        piece = self.mma_n * HALF_ROWS                       # bf16 elements per output half
+        w_elems = self.halves * HALF_ROWS * self.block_k     # this warpgroup's W boxes
+        places = []
+        for h in range(self.out_halves):
+            if (h + 1) * piece <= w_elems:
+                places.append(("w", h * piece))
+            elif self.row_wgs == 1 and h == self.out_halves - 1 and piece <= self.mma_n * self.block_k:
+                places.append(("x", 0))
+            else:
+                return None
+        return places
 
     def _ctas_for(self, tiles: int, sms: int) -> int:
         """One CTA per SM, each with at least a third of a tile's k-blocks, so a tile is split
@@ -226,7 +264,7 @@ class GemmConfig:
         return (f"GemmConfig(m={self.m}, k={self.k}, n={self.n}, epilogue={self.epilogue!r}, "
                 f"ctas={self.ctas}, tiles={self.tiles}, block_k={self.block_k}, k_blocks={self.k_blocks}, "
                 f"stages={self.stages}, wgs={self.row_wgs}x{self.col_wgs}, mma_n={self.mma_n}, "
-                f"l2_prefetch={self.l2_prefetch})")
+                f"l2_prefetch={self.l2_prefetch}, y_staging={self.y_staging})")
 
 
 def check_shape(m: int, k: int, n: int, epilogue: str | None = None) -> None:
@@ -378,6 +416,7 @@ class DecodeGemmKernel:
         # sW then sX, contiguous (both 1024-aligned, sW a whole number of 8 KB boxes): the
         # reducer's staging area once the pipeline is drained.
         stage_area = cute.recast_ptr(storage.sW.data_ptr(), dtype=Float32)
+        stage_bufs = (storage.sW.data_ptr(), storage.sX.data_ptr())   # bf16, for y_staging
         sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
 
@@ -401,8 +440,8 @@ class DecodeGemmKernel:
         else:
             # Consumers touch global memory (workspace, counters, y) only after the wait.
             cute.arch.griddepcontrol_wait()
-            self.consumer(tiled_mma, sW, sX, full, empty, flag, staged, stage_area, mY, mWs, mCount,
-                          cta, tidx, warp, lane, g_begin, g_end)
+            self.consumer(tiled_mma, sW, sX, full, empty, flag, staged, stage_area, stage_bufs, mY, mWs,
+                          mCount, cta, tidx, warp, lane, g_begin, g_end)
 
     # --------------------------------------------------------------------------------------------
     @cute.jit
@@ -512,8 +551,8 @@ class DecodeGemmKernel:
         return slot
 
     @cute.jit
-    def consumer(self, tiled_mma, sW, sX, full, empty, flag, staged, stage_area, mY, mWs, mCount,
-                 cta, tidx, warp, lane, g_begin, g_end):
+    def consumer(self, tiled_mma, sW, sX, full, empty, flag, staged, stage_area, stage_bufs, mY, mWs,
+                 mCount, cta, tidx, warp, lane, g_begin, g_end):
         cfg = self.cfg
         wg = warp // 4
         wg_row = wg // cfg.col_wgs      # which unit of the tile (W rows)
@@ -555,32 +594,106 @@ class DecodeGemmKernel:
                 if kb > kb_lo and lane == 0:
                     cute.arch.mbarrier_arrive(empty + (i - 1) % cfg.stages)
             warpgroup.wait_group(0)
-            if lane == 0:
-                cute.arch.mbarrier_arrive(empty + (t_base + kb_hi - 1 - g_begin) % cfg.stages)
+            # The stage of the tile's last k-block: with y_staging the epilogue writes y there,
+            # so it is released only after the epilogue.
+            s_last = (t_base + kb_hi - 1 - g_begin) % cfg.stages
+            ybuf = (stage_bufs, s_last)
+            if const_expr(not cfg.y_staging):
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(empty + s_last)
 
             if kb_lo == 0 and kb_hi == cfg.k_blocks:
-                self.store_tile(accs, tCcAcc, mY, tile, wg_row, wg_col)
+                self.store_tile(accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid)
             else:
                 self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid,
-                                       tile == t_last, staged, stage_area)
+                                       tile == t_last, staged, stage_area, ybuf)
+            if const_expr(cfg.y_staging):
+                # This warp's generic-proxy accesses to the stage are done; order them before
+                # the producer's next TMA (async proxy) writes into it, then release it.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(empty + s_last)
 
     @cute.jit
-    def store_tile(self, accs, tCcAcc, mY, tile, wg_row, wg_col):
+    def store_tile(self, accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid):
         """Epilogue of one finished unit: fp32 accumulators -> bf16 y, batch rows >= M masked."""
+        cfg = self.cfg
+        if const_expr(cfg.y_staging):
+            self.store_tile_staged(accs, tCcAcc, mY, tile, wg_row, ybuf, wg_tid)
+        else:
+            self.store_tile_direct(accs, tCcAcc, mY, tile, wg_row, wg_col)
+
+    @cute.jit
+    def out_value(self, accs, h: cutlass.Constexpr, j: cutlass.Constexpr) -> Float32:
+        """Output half h's fp32 value at accumulator j: the accumulator, or silu(gate) * up."""
+        cfg = self.cfg
+        val = accs[h][j]
+        if const_expr(cfg.silu):
+            gate = accs[0][j]
+            val = gate / (Float32(1.0) + cute.math.exp(-gate)) * accs[1][j]
+        return val
+
+    @cute.jit
+    def out_col(self, unit, h: cutlass.Constexpr):
+        """First y column of output half h of ``unit``."""
+        cfg = self.cfg
+        col = unit * HALF_ROWS
+        if const_expr(not cfg.silu):
+            col = (unit * cfg.halves + h) * HALF_ROWS
+        return col
+
+    @cute.jit
+    def store_tile_staged(self, accs, tCcAcc, mY, tile, wg_row, ybuf, wg_tid):
+        """y through the held stage's buffers (GemmConfig.y_places; col_wgs == 1): bf16 into a
+        [batch][64 rows] tile per output half whose 16-byte chunks are XOR-swizzled by the
+        batch index (chunk = row // 8 ^ batch % 8), so the fragment's 2-byte writes and the
+        16-byte reads are both bank-conflict free; then each thread stores 16-byte vectors of
+        y rows (a warp: four whole 128-byte row segments)."""
+        cfg = self.cfg
+        consumers = 128 * cfg.wgs
+        (w_base, x_base), s = ybuf
+        unit = tile * cfg.row_wgs + wg_row
+        piece_elems = cfg.mma_n * HALF_ROWS
+        pieces = []
+        for h in cutlass.range_constexpr(cfg.out_halves):
+            where, offset = cfg.y_places[h]
+            if const_expr(where == "w"):
+                base = w_base + (s * cfg.w_boxes + wg_row * cfg.halves) * (HALF_ROWS * cfg.block_k) + offset
+            else:
+                base = x_base + s * (cfg.mma_n * cfg.block_k)
+            pieces.append(cute.make_tensor(base, cute.make_layout(piece_elems)))
+        # The stage may still be being read by other threads (the reducer's staged partials).
+        cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+        for j in cutlass.range_constexpr(cute.size(tCcAcc)):
+            row, col = tCcAcc[j]
+            idx = col * HALF_ROWS + (((row // 8) ^ (col % 8)) * 8) + row % 8
+            for h in cutlass.range_constexpr(cfg.out_halves):
+                pieces[h][idx] = self.out_value(accs, h, j).to(BFloat16)
+        cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+        vec4 = ir.VectorType.get([4], Int32.mlir_type)
+        vectors = cfg.mma_n * (HALF_ROWS // 8)
+        for h in cutlass.range_constexpr(cfg.out_halves):
+            col0 = self.out_col(unit, h)
+            for i in cutlass.range_constexpr(-(-vectors // 128)):
+                v = wg_tid + 128 * i
+                m = v // 8
+                c = v % 8
+                if v < vectors and m < cfg.m:
+                    bits = cute.arch.load((pieces[h].iterator + (m * HALF_ROWS + (c ^ (m % 8)) * 8)).llvm_ptr, vec4)
+                    cute.arch.store((mY.iterator + (m * cfg.n_out + col0 + c * 8)).llvm_ptr, bits)
+
+    @cute.jit
+    def store_tile_direct(self, accs, tCcAcc, mY, tile, wg_row, wg_col):
+        """y straight from the fragment layout (2-byte stores)."""
         cfg = self.cfg
         unit = tile * cfg.row_wgs + wg_row
         for j in cutlass.range_constexpr(cute.size(tCcAcc)):
             row, col = tCcAcc[j]
             m = wg_col * cfg.mma_n + col
             if m < cfg.m:
-                if const_expr(cfg.silu):
-                    gate = accs[0][j]
-                    up = accs[1][j]
-                    val = gate / (Float32(1.0) + cute.math.exp(-gate)) * up
-                    mY[m, unit * HALF_ROWS + row] = val.to(BFloat16)
-                else:
-                    for h in cutlass.range_constexpr(cfg.halves):
-                        mY[m, (unit * cfg.halves + h) * HALF_ROWS + row] = accs[h][j].to(BFloat16)
+                for h in cutlass.range_constexpr(cfg.out_halves):
+                    mY[m, self.out_col(unit, h) + row] = self.out_value(accs, h, j).to(BFloat16)
 
     @cute.jit
     def ws_ptr(self, base, slot, wg, h: cutlass.Constexpr, j4: cutlass.Constexpr, wg_tid):
@@ -596,7 +709,7 @@ class DecodeGemmKernel:
 
     @cute.jit
     def reduce_split_tile(self, accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid,
-                          last_tile, staged, stage_area):
+                          last_tile, staged, stage_area, ybuf):
         """A tile whose k-blocks are spread over CTAs c_lo..c_hi (at most ``max_segs``).
 
         Arrive first (``arrived[tile]``): whoever is not last publishes its fp32 partial and
@@ -672,7 +785,7 @@ class DecodeGemmKernel:
                     self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
             else:
                 self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
-            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs)
+            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid)
 
     @cute.jit
     def staged_slot(self, c: Int32, c_lo: Int32, cta: Int32) -> Int32:

@@ -158,6 +158,41 @@ def test_tuning_knobs_round_trip_and_bounds():
         GemmConfig(8, 7168, 7168, stages=1)
 
 
+def test_y_staging_places():
+    """Where each output half's bf16 tile is staged: the warpgroup's W boxes of the held
+    stage, the last half in the stage's x buffer when the W boxes are full, nowhere (direct
+    stores) with two batch warpgroups."""
+    assert GemmConfig(64, 8192, 7168).y_places == [("w", 0), ("w", 64 * 64)]
+    assert GemmConfig(1, 8192, 7168).y_places == [("w", 0), ("w", 8 * 64)]
+    assert GemmConfig(64, 7168, 36864, "silu_mul").y_places == [("w", 0)]
+    assert GemmConfig(128, 8192, 7168).y_places == [("w", 0), ("x", 0)]
+    assert GemmConfig(128, 8192, 7168, block_k=128).y_places == [("w", 0), ("w", 128 * 64)]
+    assert GemmConfig(128, 8192, 7168, halves=1).y_places == [("x", 0)]      # 64 rows of W: 8 KB
+    assert GemmConfig(64, 18432, 7168, row_wgs=2).y_places == [("w", 0), ("w", 64 * 64)]
+    assert GemmConfig(128, 7168, 36864, "silu_mul", row_wgs=2).y_places == [("w", 0)]
+    assert GemmConfig(128, 18432, 7168, row_wgs=2).y_places is None     # x buffer shared
+    assert GemmConfig(256, 8192, 7168).y_places is None
+    assert GemmConfig(64, 8192, 7168).y_staging == 1 and GemmConfig(256, 8192, 7168).y_staging == 0
+    assert GemmConfig(8, 8192, 7168).y_staging == 0 and GemmConfig(8, 8192, 7168, y_staging=1).y_staging == 1
+    assert GemmConfig(64, 8192, 7168, y_staging=0).y_staging == 0
+    with pytest.raises(ValueError, match="y_staging=1"):
+        GemmConfig(256, 8192, 7168, y_staging=1)
+
+
+@pytest.mark.parametrize("m, epilogue, staged", [(64, None, True), (8, "silu_mul", True), (8, None, False),
+                                                 (64, None, False), (256, None, False)])
+def test_ptx_y_stores(m, epilogue, staged):
+    """y_staging: bf16 into shared memory, y out as 16-byte vectors, no 2-byte global store;
+    without it (or at M = 256) 2-byte stores straight from the fragments."""
+    n = 36864 if epilogue else 7168
+    tuning = {} if m == 256 else dict(y_staging=int(staged))
+    ptx = gemm.linear_ptx(m, 8192 if not epilogue else 7168, n, epilogue, **tuning)
+    assert ("st.shared.b16" in ptx) == staged
+    assert bool(re.search(r"st\.global\.b16", ptx)) == (not staged)
+    if staged:
+        assert re.search(r"ld\.shared(::cta)?\.v4\.b32", ptx) and "fence.proxy.async.shared::cta" in ptx
+
+
 # ------------------------------------------------------------------------------------------------
 # Compile-only: the PTX has the structure DESIGN §3-§4 asks for.
 # ------------------------------------------------------------------------------------------------
