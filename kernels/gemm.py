@@ -191,6 +191,12 @@ class GemmConfig:
         # contributor (and per 16 accumulators above M = 64). Not at M = 256 (128 KB each).
         self.slot_bytes = 4 * self.slot_floats
         self.bulk_reduce = (self.max_segs - 1) * self.slot_bytes <= self.stages * self.stage_bytes
+        # When they do not all fit (M = 256: 128 KB partials), the reducer that comes first in
+        # CTA order (in practice always: the tile's first contributor ends its range there,
+        # the others start theirs) sums into its own accumulators, staging the others in rounds
+        # of as many as fit: §10: the register path's 16-accumulator round trips left a
+        # 10-17 µs tail at M = 256.
+        self.partials_per_round = (self.stages * self.stage_bytes) // self.slot_bytes
         # Epilogue through shared memory (``y_staging``): each warpgroup writes its bf16 output
         # tile into the buffers of the stage it consumed last (released only afterwards), then
         # stores y as 16-byte vectors, a warp writing four whole 128-byte row segments per
@@ -783,6 +789,12 @@ class DecodeGemmKernel:
                     self.sum_partials(accs, stage_area, c_lo, c_hi, cta, tile, wg, wg_tid, True)
                 else:
                     self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
+            elif const_expr(cfg.partials_per_round > 0):
+                if last_tile and cta == c_lo:
+                    self.sum_partials_in_rounds(accs, stage_area, mWs, staged, c_lo, c_hi, tile, wg,
+                                                wg_tid, leader)
+                else:
+                    self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
             else:
                 self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
             self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid)
@@ -830,6 +842,47 @@ class DecodeGemmKernel:
                         total[i] = total[i] + part
             for i in cutlass.range_constexpr(chunk):
                 accs[fs[i][0]][fs[i][1]] = total[i]
+
+
+    @cute.jit
+    def sum_partials_in_rounds(self, accs, stage_area, mWs, staged, c_lo, c_hi, tile, wg, wg_tid, leader):
+        """accs (this CTA's partial, the first in CTA order) += the later contributors'
+        partials in CTA order, bulk-copied into the drained pipeline buffers
+        ``partials_per_round`` at a time (the ``staged`` mbarrier, one phase per round).
+        The same adds in the same order as sum_partials, whose running total starts at +0.0:
+        accumulators start at +0.0 and only add, so no partial is -0.0 and 0 + P = P exactly;
+        the result is bitwise the same whichever path the reducer takes."""
+        cfg = self.cfg
+        consumers = 128 * cfg.wgs
+        f32x4 = ir.VectorType.get([4], Float32.mlir_type)
+        per = cfg.partials_per_round
+        rounds = (c_hi - c_lo + per - 1) // per
+        if leader:
+            # The partials were written by other SMs (generic proxy) and acquired; order that
+            # before the bulk copies' (async proxy) reads.
+            cute.arch.fence_proxy("async.global")
+        for r in cutlass.range(rounds, unroll=1):
+            first = c_lo + 1 + r * per
+            count = cutlass.min(c_hi + 1 - first, per)
+            if leader:
+                cute.arch.mbarrier_arrive_and_expect_tx(staged, count * cfg.slot_bytes)
+                for q in cutlass.range(count, unroll=1):
+                    bulk_copy_g2s(stage_area + q * cfg.slot_floats,
+                                  mWs.iterator + self.slot_of(first + q, tile) * cfg.slot_floats,
+                                  cfg.slot_bytes, staged)
+            cute.arch.mbarrier_wait(staged, r % 2)
+            # 16 accumulators at a time, each chunk a loop over the round's partials, so that
+            # ptxas does not hoist every load at once.
+            for h in cutlass.range_constexpr(cfg.halves):
+                for j4s in cutlass.range_constexpr(0, cfg.frag // 4, 4):
+                    for q in cutlass.range(count, unroll=1):
+                        for j4 in cutlass.range_constexpr(j4s, min(j4s + 4, cfg.frag // 4)):
+                            part = cute.arch.load(self.ws_ptr(stage_area, q, wg, h, j4, wg_tid), f32x4)
+                            for e in cutlass.range_constexpr(4):
+                                accs[h][4 * j4 + e] = accs[h][4 * j4 + e] + Float32(
+                                    vector.extract(part, dynamic_position=[], static_position=[e]))
+            # Everyone has read this round's buffers before the next round overwrites them.
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
 
 
 def bulk_copy_g2s(dst, src, nbytes, bar) -> None:
