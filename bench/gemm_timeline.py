@@ -68,9 +68,9 @@ PATCHES = [
      "            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)\n            if leader:\n"
      f"                {_AT.format(5)} = {_T}\n                {_AT.format(7)} = Int32(2)\n"
      "            if const_expr(cfg.bulk_reduce):\n"),
-    ("            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid)\n",
+    ("            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid,\n",
      f"            if leader:\n                {_AT.format(6)} = {_T}\n"
-     "            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid)\n"),
+     "            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid,\n"),
     ('_CACHE = CompileCache("gemm", _build', '_CACHE = CompileCache("gemm_timeline", _build'),
 ]
 

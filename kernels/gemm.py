@@ -204,19 +204,25 @@ class GemmConfig:
         # touches 8 half-filled sectors: 1.0 / 2.1 µs of the reducer's tail at M = 64 / 128
         # (bench/gemm_notes.md §8). Each output half's tile (mma_n x 64 bf16) goes into the
         # warpgroup's W boxes of that stage if it fits there, the last one into the stage's
-        # x buffer otherwise (when no other warpgroup shares it); for M > 128 (two batch
-        # warpgroups) it does not fit and y is stored from the fragments.
+        # x buffer otherwise (when no other warpgroup shares it). For M > 128 (two batch
+        # warpgroups) it does not fit there; then the CTA's last tile (where its reducer is)
+        # stages y in the drained pipeline instead (``y_held`` false), the others store from
+        # the fragments (§10: 4.3 µs of direct stores in the reducer's tail at M = 256).
         # Measured (bench/gemm.py --tunings y_staging=0, H200): 2.5-4% faster on all four Kimi
         # shapes at M = 128, -1.2% to +0.6% at 64, and 0.3-1.9% slower at 8 (holding the
         # stage through the epilogue costs more there than the few stores it saves), so the
         # default is on from 64 batch columns.
         self.out_halves = 1 if self.silu else self.halves
         self.y_places = self._y_places()
+        y_drained_fits = self.wgs * self.out_halves * self.mma_n * HALF_ROWS * 2 <= self.stages * self.stage_bytes
+        stageable = self.y_places is not None or y_drained_fits
         if y_staging is None:
-            y_staging = int(self.y_places is not None and self.mma_n >= Y_STAGING_MIN_MMA_N)
-        if y_staging not in (0, 1) or (y_staging and self.y_places is None):
-            raise ValueError(f"y_staging={y_staging} unsupported here (0, or 1 when M <= 128)")
+            y_staging = int(stageable and self.mma_n >= Y_STAGING_MIN_MMA_N)
+        if y_staging not in (0, 1) or (y_staging and not stageable):
+            raise ValueError(f"y_staging={y_staging} unsupported here (0, or 1 when the output tile "
+                             f"fits in shared memory)")
         self.y_staging = int(y_staging)
+        self.y_held = bool(self.y_staging and self.y_places is not None)   # in the held stage
 
     def _y_places(self) -> list[tuple[str, int]] | None:
         """Per output half: ("w", element offset into the warpgroup's W boxes of a stage) or
@@ -604,16 +610,16 @@ class DecodeGemmKernel:
             # so it is released only after the epilogue.
             s_last = (t_base + kb_hi - 1 - g_begin) % cfg.stages
             ybuf = (stage_bufs, s_last)
-            if const_expr(not cfg.y_staging):
+            if const_expr(not cfg.y_held):
                 if lane == 0:
                     cute.arch.mbarrier_arrive(empty + s_last)
 
             if kb_lo == 0 and kb_hi == cfg.k_blocks:
-                self.store_tile(accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid)
+                self.store_tile(accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid, tile == t_last)
             else:
                 self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid,
                                        tile == t_last, staged, stage_area, ybuf)
-            if const_expr(cfg.y_staging):
+            if const_expr(cfg.y_held):
                 # This warp's generic-proxy accesses to the stage are done; order them before
                 # the producer's next TMA (async proxy) writes into it, then release it.
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -622,13 +628,45 @@ class DecodeGemmKernel:
                     cute.arch.mbarrier_arrive(empty + s_last)
 
     @cute.jit
-    def store_tile(self, accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid):
-        """Epilogue of one finished unit: fp32 accumulators -> bf16 y, batch rows >= M masked."""
+    def store_tile(self, accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid, drained):
+        """Epilogue of one finished unit: fp32 accumulators -> bf16 y, batch rows >= M masked.
+        ``drained``: this is the CTA's last tile (no TMA load is still to come)."""
         cfg = self.cfg
-        if const_expr(cfg.y_staging):
-            self.store_tile_staged(accs, tCcAcc, mY, tile, wg_row, ybuf, wg_tid)
+        if const_expr(cfg.y_held):
+            self.store_tile_staged(accs, tCcAcc, mY, tile, wg_row, wg_col,
+                                   self.held_stage_pieces(ybuf, wg_row), wg_tid)
+        elif const_expr(cfg.y_staging):
+            if drained:
+                self.store_tile_staged(accs, tCcAcc, mY, tile, wg_row, wg_col,
+                                       self.drained_pieces(ybuf, wg_row, wg_col), wg_tid)
+            else:
+                self.store_tile_direct(accs, tCcAcc, mY, tile, wg_row, wg_col)
         else:
             self.store_tile_direct(accs, tCcAcc, mY, tile, wg_row, wg_col)
+
+    @cute.jit
+    def held_stage_pieces(self, ybuf, wg_row):
+        """Where each output half's bf16 tile goes in the held stage (GemmConfig.y_places)."""
+        cfg = self.cfg
+        (w_base, x_base), s = ybuf
+        bases = []
+        for h in cutlass.range_constexpr(cfg.out_halves):
+            where, offset = cfg.y_places[h]
+            if const_expr(where == "w"):
+                bases.append(w_base + (s * cfg.w_boxes + wg_row * cfg.halves) * (HALF_ROWS * cfg.block_k) + offset)
+            else:
+                bases.append(x_base + s * (cfg.mma_n * cfg.block_k))
+        return bases
+
+    @cute.jit
+    def drained_pieces(self, ybuf, wg_row, wg_col):
+        """Where each output half's bf16 tile goes in the drained pipeline: one after another,
+        per warpgroup, from the start of the buffers."""
+        cfg = self.cfg
+        (w_base, _), _ = ybuf
+        piece_elems = cfg.mma_n * HALF_ROWS
+        first = (wg_row * cfg.col_wgs + wg_col) * cfg.out_halves
+        return [w_base + (first + h) * piece_elems for h in range(cfg.out_halves)]
 
     @cute.jit
     def out_value(self, accs, h: cutlass.Constexpr, j: cutlass.Constexpr) -> Float32:
@@ -650,25 +688,16 @@ class DecodeGemmKernel:
         return col
 
     @cute.jit
-    def store_tile_staged(self, accs, tCcAcc, mY, tile, wg_row, ybuf, wg_tid):
-        """y through the held stage's buffers (GemmConfig.y_places; col_wgs == 1): bf16 into a
+    def store_tile_staged(self, accs, tCcAcc, mY, tile, wg_row, wg_col, bases, wg_tid):
+        """y through shared memory (``bases``: one mma_n x 64 bf16 tile per output half): bf16 into a
         [batch][64 rows] tile per output half whose 16-byte chunks are XOR-swizzled by the
         batch index (chunk = row // 8 ^ batch % 8), so the fragment's 2-byte writes and the
         16-byte reads are both bank-conflict free; then each thread stores 16-byte vectors of
         y rows (a warp: four whole 128-byte row segments)."""
         cfg = self.cfg
         consumers = 128 * cfg.wgs
-        (w_base, x_base), s = ybuf
         unit = tile * cfg.row_wgs + wg_row
-        piece_elems = cfg.mma_n * HALF_ROWS
-        pieces = []
-        for h in cutlass.range_constexpr(cfg.out_halves):
-            where, offset = cfg.y_places[h]
-            if const_expr(where == "w"):
-                base = w_base + (s * cfg.w_boxes + wg_row * cfg.halves) * (HALF_ROWS * cfg.block_k) + offset
-            else:
-                base = x_base + s * (cfg.mma_n * cfg.block_k)
-            pieces.append(cute.make_tensor(base, cute.make_layout(piece_elems)))
+        pieces = [cute.make_tensor(base, cute.make_layout(cfg.mma_n * HALF_ROWS)) for base in bases]
         # The stage may still be being read by other threads (the reducer's staged partials).
         cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
         for j in cutlass.range_constexpr(cute.size(tCcAcc)):
@@ -683,10 +712,11 @@ class DecodeGemmKernel:
             col0 = self.out_col(unit, h)
             for i in cutlass.range_constexpr(-(-vectors // 128)):
                 v = wg_tid + 128 * i
-                m = v // 8
+                b = v // 8                      # batch column within this warpgroup's
                 c = v % 8
+                m = wg_col * cfg.mma_n + b
                 if v < vectors and m < cfg.m:
-                    bits = cute.arch.load((pieces[h].iterator + (m * HALF_ROWS + (c ^ (m % 8)) * 8)).llvm_ptr, vec4)
+                    bits = cute.arch.load((pieces[h].iterator + (b * HALF_ROWS + (c ^ (b % 8)) * 8)).llvm_ptr, vec4)
                     cute.arch.store((mY.iterator + (m * cfg.n_out + col0 + c * 8)).llvm_ptr, bits)
 
     @cute.jit
@@ -797,7 +827,8 @@ class DecodeGemmKernel:
                     self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
             else:
                 self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
-            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid)
+            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid,
+                            last_tile)
 
     @cute.jit
     def staged_slot(self, c: Int32, c_lo: Int32, cta: Int32) -> Int32:

@@ -50,6 +50,7 @@ TUNING_CASES = [
     (128, 8192, 7168, None, dict()),                  # the second output half in the x buffer
     (128, 1024, 5632, "silu_mul", dict()),
     (64, 1024, 1024, None, dict(halves=1)),           # 64-row units: one output half
+    (200, 1024, 5632, "silu_mul", dict(y_staging=0)),  # two batch warpgroups, direct stores
 ]
 
 # Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for
