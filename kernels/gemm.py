@@ -27,7 +27,12 @@ Structure
   the next launch. The order, not the arrival, fixes the result: replays are bitwise equal.
   When the tile is the last CTA's last (always, unless timing is pathological) and the
   others' partials fit in its drained pipeline buffers, it bulk-copies them there
-  (``cp.async.bulk``, all in flight at once) and sums from shared memory.
+  (``cp.async.bulk``, all in flight at once) and sums from shared memory; when they do not
+  fit (M = 256: 128 KB each) and the reducer comes first in CTA order (in practice always),
+  it stages them in rounds and sums into its own accumulators.
+* **Epilogue** (``y_staging``, from 64 batch columns): the bf16 output tile goes through shared
+  memory, the stage the tile's last k-block used (held until the stores are done; for
+  M > 128 the drained pipeline of the CTA's last tile), and out as 16-byte vectors.
 * **Pipeline**: a producer warp issues TMA (``cp.async.bulk.tensor``) loads of W (one 8 KB
   64x64 box per half, two per half with ``block_k = 128``) and x (one box per batch
   warpgroup) per stage into 128B-swizzled shared memory, completing on an mbarrier armed with
