@@ -158,6 +158,18 @@ def test_tuning_knobs_round_trip_and_bounds():
         GemmConfig(8, 7168, 7168, stages=1)
 
 
+def test_split_reduction_paths():
+    """Which way a split tile's partials reach the reducer: all at once through the drained
+    pipeline when the others fit (M <= 128 here), else in rounds of what fits (M > 128)."""
+    cfg = GemmConfig(64, 8192, 7168)
+    assert cfg.bulk_reduce and (cfg.max_segs - 1) * cfg.slot_bytes <= cfg.stages * cfg.stage_bytes
+    cfg = GemmConfig(256, 8192, 7168)                   # 128 KB partials, 192 KB of buffers
+    assert (cfg.bulk_reduce, cfg.partials_per_round, cfg.max_segs) == (False, 1, 4)
+    cfg = GemmConfig(129, 1024, 1024)                   # mma_n 80: 80 KB partials
+    assert (cfg.bulk_reduce, cfg.partials_per_round) == (False, 2)
+    assert cfg.frag % 4 == 0 and cfg.frag % 16 != 0     # the GPU test that caught a 16-wide loop
+
+
 def test_y_staging_places():
     """Where each output half's bf16 tile is staged: the warpgroup's W boxes of the held
     stage, the last half in the stage's x buffer when the W boxes are full, nowhere (direct
