@@ -195,13 +195,13 @@ class GemmConfig:
         # of them in flight at once instead of one register-limited round trip per
         # contributor (and per 16 accumulators above M = 64). Not at M = 256 (128 KB each).
         self.slot_bytes = 4 * self.slot_floats
-        self.bulk_reduce = (self.max_segs - 1) * self.slot_bytes <= self.stages * self.stage_bytes
+        self.partials_per_round = (self.stages * self.stage_bytes) // self.slot_bytes
+        self.bulk_reduce = self.partials_per_round >= self.max_segs - 1
         # When they do not all fit (M = 256: 128 KB partials), the reducer that comes first in
         # CTA order (in practice always: the tile's first contributor ends its range there,
         # the others start theirs) sums into its own accumulators, staging the others in rounds
         # of as many as fit: §10: the register path's 16-accumulator round trips left a
         # 10-17 µs tail at M = 256.
-        self.partials_per_round = (self.stages * self.stage_bytes) // self.slot_bytes
         # Epilogue through shared memory (``y_staging``): each warpgroup writes its bf16 output
         # tile into the buffers of the stage it consumed last (released only afterwards), then
         # stores y as 16-byte vectors, a warp writing four whole 128-byte row segments per
@@ -878,7 +878,6 @@ class DecodeGemmKernel:
                         total[i] = total[i] + part
             for i in cutlass.range_constexpr(chunk):
                 accs[fs[i][0]][fs[i][1]] = total[i]
-
 
     @cute.jit
     def sum_partials_in_rounds(self, accs, stage_area, mWs, staged, c_lo, c_hi, tile, wg, wg_tid, leader):

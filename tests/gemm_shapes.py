@@ -44,7 +44,7 @@ TUNING_CASES = [
     (5, 1024, 5632, "silu_mul", dict(row_wgs=2)),
     (32, 1024, 36864, None, dict()),                   # row_wgs = 2 by default, plain
     (64, 7168, 36864, "silu_mul", dict(row_wgs=1, block_k=128)),
-    # y through shared memory (the default up to M = 128) against y from the fragments.
+    # y through shared memory (the default from M = 49) against y from the fragments.
     (64, 8192, 7168, None, dict(y_staging=0)),
     (8, 1024, 5632, "silu_mul", dict(y_staging=1)),
     (128, 8192, 7168, None, dict()),                  # the second output half in the x buffer

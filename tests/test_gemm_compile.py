@@ -172,8 +172,8 @@ def test_split_reduction_paths():
 
 def test_y_staging_places():
     """Where each output half's bf16 tile is staged: the warpgroup's W boxes of the held
-    stage, the last half in the stage's x buffer when the W boxes are full, nowhere (direct
-    stores) with two batch warpgroups."""
+    stage, the last half in the stage's x buffer when the W boxes are full; with two batch
+    warpgroups no held stage has room (the CTA's last tile uses the drained pipeline)."""
     assert GemmConfig(64, 8192, 7168).y_places == [("w", 0), ("w", 64 * 64)]
     assert GemmConfig(1, 8192, 7168).y_places == [("w", 0), ("w", 8 * 64)]
     assert GemmConfig(64, 7168, 36864, "silu_mul").y_places == [("w", 0)]
