@@ -34,23 +34,25 @@ def bench_shapes() -> dict[str, tuple]:
 
 # Timer words per CTA after the split-tile counters: entry, PDL wait passed, last k-block
 # done, end, and for the CTA's last split-tile reduction: arrived, published (a contributor)
-# or partials ready (the reducer), summed (the reducer), role (1 contributor, 2 reducer).
-WORDS = 8
+# or partials ready (the reducer), summed (the reducer), role (1 contributor, 2 reducer);
+# then the SM the CTA ran on (%smid).
+WORDS = 9
 _T = "cute.arch.globaltimer_lo()"
-_AT = "mCount[2 * cfg.tiles + 8 * cta + {}]"
+_AT = f"mCount[2 * cfg.tiles + {WORDS} * cta + {{}}]"
 
 # (anchor in kernels/gemm.py, replacement): the instrumentation, one timer word per point.
 PATCHES = [
     ("cute.make_layout(2 * cfg.tiles),      # arrived[tiles], ready[tiles]",
-     "cute.make_layout(2 * cfg.tiles + 8 * cfg.ctas),"),
+     f"cute.make_layout(2 * cfg.tiles + {WORDS} * cfg.ctas),"),
     ("counters = torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device)",
-     "counters = torch.zeros(2 * cfg.tiles + 8 * cfg.ctas, dtype=torch.int32, device=device)"),
+     f"counters = torch.zeros(2 * cfg.tiles + {WORDS} * cfg.ctas, dtype=torch.int32, device=device)"),
     ("        cute.arch.griddepcontrol_launch_dependents()\n",
      f"        cute.arch.griddepcontrol_launch_dependents()\n        t_entry = {_T}\n"),
     ("            cute.arch.griddepcontrol_wait()\n            self.consumer(tiled_mma",
      "            cute.arch.griddepcontrol_wait()\n            if tidx == 0:\n"
      f"                {_AT.format(0)} = t_entry\n"
      f"                {_AT.format(1)} = {_T}\n"
+     f"                {_AT.format(8)} = cute.arch.smid()\n"
      "            self.consumer(tiled_mma"),
     ("            warpgroup.wait_group(0)\n",
      "            warpgroup.wait_group(0)\n            if tidx == 0:\n"
@@ -95,7 +97,8 @@ def instrumented_module():
     return importlib.import_module("graphc.kernels._gemm_timeline")
 
 
-def timeline(g, name: str, m: int) -> None:
+def timeline(g, name: str, m: int, verbose: bool = True) -> dict:
+    """Run shape ``name`` at M rows alone (3 x 6 eager PDL calls) and print its last timeline."""
     import torch
 
     k, n, e = bench_shapes()[name]
@@ -108,30 +111,57 @@ def timeline(g, name: str, m: int) -> None:
         for j in range(copies):
             g.linear(xs[j], ws[j], outs[j], epilogue=e)
     torch.cuda.synchronize()
+    return report(g, cfg, f"{name}:{m}", verbose)
+
+
+def read_words(g, cfg):
+    """(entry, waited, loop_end, end, arrived, ready, summed) in µs from the first CTA's entry,
+    the role and the SM of each CTA, of the last launch of ``cfg`` (its timer words are shared
+    by all launches)."""
+    import torch
+
     words = g._workspace(cfg, torch.device("cuda", torch.cuda.current_device()))[1]
     w = words[2 * cfg.tiles:].view(cfg.ctas, WORDS).cpu().long()
-    role = w[:, 7]
     t = (w[:, :7] - w[:, 0].min()) % (1 << 32)              # globaltimer_lo wraps every 4.3 s
-    entry, waited, loop_end, end, arrived, ready, summed = (t[:, i].float() / 1000 for i in range(7))
+    return tuple(t[:, i].float() / 1000 for i in range(7)), w[:, 7], w[:, 8]
+
+
+def report(g, cfg, label: str, verbose: bool = True) -> dict:
+    """Print the last launch's timeline of ``cfg``; returns the medians and spans printed, and
+    the per-CTA times."""
+    import torch
+
+    (entry, waited, loop_end, end, arrived, ready, summed), role, sm = read_words(g, cfg)
+    summary = {"wait_passed_max": float(waited.max()), "streaming_median": float((loop_end - waited).median()),
+               "streaming_max": float((loop_end - waited).max()), "end_max": float(end.max()),
+               "wait_to_end": float(end.max() - waited.min()),
+               "entries_after_wait": int((entry > waited.min()).sum()),
+               "per_cta": {"sm": sm.tolist(), "entry": entry.tolist(), "waited": waited.tolist(),
+                           "loop_end": loop_end.tolist(), "end": end.tolist(), "role": role.tolist()}}
+    if not verbose:
+        return summary
 
     def q(v):
         return f"min {v.min():7.2f}  median {v.median():7.2f}  max {v.max():7.2f}" if v.numel() else "none"
 
-    print(f"{name}:{m} {cfg}")
+    print(f"{label} {cfg}")
     print(f"  entry                  {q(entry)} us from the first CTA's entry")
     print(f"  PDL wait passed        {q(waited)}")
     print(f"  last k-block done      {q(loop_end)}")
     print(f"  end                    {q(end)}")
     print(f"  streaming (wait->last) {q(loop_end - waited)}")
     print(f"  tail (last->end)       {q(end - loop_end)}")
+    stream = loop_end - waited
+    fast = sorted(int(sm[c]) for c in range(cfg.ctas) if stream[c] < 0.93 * stream.median())
+    print(f"  SMs streaming in < 93% of the median time ({len(fast)}): {fast}")
     order = torch.argsort(loop_end)
     print("  first CTAs done:", [(int(c), round(float(loop_end[c]), 1)) for c in order[:6]])
     print("  last CTAs done: ", [(int(c), round(float(loop_end[c]), 1)) for c in order[-6:]])
     # The CTA's last split-tile reduction, if its last tile was split (the end of its range).
     last_split = (role > 0) & (arrived >= loop_end)
-    for r, label in ((1, "contributors"), (2, "reducers")):
+    for r, name in ((1, "contributors"), (2, "reducers")):
         sel = last_split & (role == r)
-        print(f"  {label:12s} ({int(sel.sum())}): last k-block->arrived {q((arrived - loop_end)[sel])}")
+        print(f"  {name:12s} ({int(sel.sum())}): last k-block->arrived {q((arrived - loop_end)[sel])}")
         if r == 1:
             print(f"  {'':12s}       arrived->published {q((ready - arrived)[sel])}, published->end {q((end - ready)[sel])}")
         else:
@@ -141,6 +171,7 @@ def timeline(g, name: str, m: int) -> None:
     print("  latest ends (cta, role, last k-block, arrived, ready, summed, end):",
           [(int(c), int(role[c]), *(round(float(v[c]), 1) for v in (loop_end, arrived, ready, summed, end)))
            for c in worst])
+    return summary
 
 
 def main() -> None:
