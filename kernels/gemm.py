@@ -86,7 +86,7 @@ TRIGGER = "early"
 EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
-TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging")
+TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
@@ -96,6 +96,7 @@ SMEM_BUDGET = 200 * 1024   # leaves room on the SM for a PDL dependent's CTAs
 SMEM_MAX = 220 * 1024      # under the 227 KB an sm_90 CTA may use (barriers, alignment)
 MAX_STAGES = 16
 Y_STAGING_MIN_MMA_N = 64   # y through shared memory from 64 batch columns (GemmConfig.y_staging)
+HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these M (GemmConfig)
 DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
 # L2 eviction hint for the W stream (CUTLASS's CacheHintSm90::EVICT_FIRST): weights are read
 # once per step, so they should not push x, the partials or the next kernel's data out of L2.
@@ -117,7 +118,8 @@ class GemmConfig:
 
     def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS, *,
                  block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None,
-                 stages: int | None = None, halves: int | None = None, y_staging: int | None = None):
+                 stages: int | None = None, halves: int | None = None, y_staging: int | None = None,
+                 col_wgs: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -131,6 +133,15 @@ class GemmConfig:
         self.block_k = block_k
         self.k_blocks = k // block_k
 
+        # Plain shapes at HALF_WGS_ROWS batch rows: each 128-row tile's two 64-row halves on
+        # two warpgroups (64-row units, ``row_wgs`` = 2), each with all batch columns, instead
+        # of one warpgroup holding both halves. Twice the warpgroups issuing wgmma and
+        # sharing the epilogue and the reduction, the same tiles and stages. Measured on an
+        # H200 (bench/gemm_notes.md §13): 0-7.5% faster at M = 128 and 4.5-7.7% at 200 on
+        # down / qkv / o_proj, the same at M <= 64, mixed at 256 (o_proj +7%).
+        if (halves, row_wgs, col_wgs) == (None, None, None) and not self.silu \
+                and HALF_WGS_ROWS[0] <= m <= HALF_WGS_ROWS[1] and n % (2 * HALF_ROWS) == 0:
+            halves, row_wgs, col_wgs = 1, 2, 1
         # Units: two halves when they exist (silu: gate + up; else 128 contiguous rows), or
         # the ``halves`` knob: 1 gives 64-row units, twice the tiles (fewer CTAs per split
         # tile, half-size partials) for twice the x re-reads.
@@ -144,9 +155,19 @@ class GemmConfig:
         # Batch columns: one consumer warpgroup up to 128, two beyond. wgmma allows N in steps
         # of 8, but CuTe DSL 4.8.1 aborts building the swizzled B layout for an odd number of
         # 8-row atoms (24, 40, ...), so N is 8 or a multiple of 16.
-        self.col_wgs = 1 if m <= 128 else 2
-        per_wg = -(-m // self.col_wgs)
-        self.mma_n = 8 if per_wg <= 8 else _round_up(per_wg, 16)
+        # (The ``col_wgs`` knob: 1 above 128 rows gives each warpgroup all batch columns, up
+        # to wgmma's N = 256, with 64-row units on two row warpgroups: half the W rows per
+        # instruction, the same accumulators.)
+        if col_wgs is None:
+            col_wgs = 1 if m <= 128 else 2
+        per_wg = -(-m // col_wgs)
+        mma_n = 8 if per_wg <= 8 else _round_up(per_wg, 16)
+        # At most 128 fp32 accumulators per thread: halves x 64 x mma_n over 128 threads.
+        if col_wgs not in (1, 2) or self.halves * mma_n > 256:
+            raise ValueError(f"col_wgs={col_wgs} unsupported here (M={m}, halves={self.halves}: at most "
+                             f"256 batch columns per 64-row half and warpgroup, 128 with two halves)")
+        self.col_wgs = int(col_wgs)
+        self.mma_n = mma_n
         # x is re-read from L2 once per tile: with two units per tile (256 W rows) that costs
         # mma_n/256 of the W bytes instead of mma_n/128, for a coarser stream-K step (32 KB of
         # W per iteration), partials twice as large and fewer stages. Measured on an H200
@@ -856,27 +877,28 @@ class DecodeGemmKernel:
         n_acc = cfg.halves * cfg.frag
         chunk = n_acc if n_acc <= 64 else 16
         for f0 in cutlass.range_constexpr(0, n_acc, chunk):
-            fs = [(f // cfg.frag, f % cfg.frag) for f in range(f0, f0 + chunk)]   # (half, j)
-            total = cute.make_rmem_tensor(chunk, Float32)
+            size = min(chunk, n_acc - f0)      # the last chunk may be short (M = 200: 104 accumulators)
+            fs = [(f // cfg.frag, f % cfg.frag) for f in range(f0, f0 + size)]   # (half, j)
+            total = cute.make_rmem_tensor(size, Float32)
             total.fill(0.0)
             for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
                 if c == cta:
-                    for i in cutlass.range_constexpr(chunk):
+                    for i in cutlass.range_constexpr(size):
                         total[i] = total[i] + accs[fs[i][0]][fs[i][1]]
                 else:
                     if const_expr(staged):
                         slot = self.staged_slot(c, c_lo, cta)
                         parts = [cute.arch.load(self.ws_ptr(base, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
-                                                f32x4) for i in range(0, chunk, 4)]
+                                                f32x4) for i in range(0, size, 4)]
                     else:
                         slot = self.slot_of(c, tile)
                         parts = [cute.arch.load(self.ws_ptr(base, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
-                                                f32x4, cop="cg") for i in range(0, chunk, 4)]
-                    for i in cutlass.range_constexpr(chunk):
+                                                f32x4, cop="cg") for i in range(0, size, 4)]
+                    for i in cutlass.range_constexpr(size):
                         part = Float32(vector.extract(parts[i // 4], dynamic_position=[],
                                                       static_position=[i % 4]))
                         total[i] = total[i] + part
-            for i in cutlass.range_constexpr(chunk):
+            for i in cutlass.range_constexpr(size):
                 accs[fs[i][0]][fs[i][1]] = total[i]
 
     @cute.jit

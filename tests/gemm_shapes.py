@@ -47,7 +47,10 @@ TUNING_CASES = [
     # y through shared memory (the default from M = 49) against y from the fragments.
     (64, 8192, 7168, None, dict(y_staging=0)),
     (8, 1024, 5632, "silu_mul", dict(y_staging=1)),
-    (128, 8192, 7168, None, dict()),                  # the second output half in the x buffer
+    (128, 8192, 7168, None, dict(halves=2)),          # the second output half in the x buffer
+    (128, 8192, 7168, None, dict()),                  # a 64-row half per warpgroup (65-200 rows)
+    (200, 7168, 10240, None, dict()),                 # ... N = 208: a short last reduction chunk
+    (129, 1024, 1536, None, dict()),
     (128, 1024, 5632, "silu_mul", dict()),
     (64, 1024, 1024, None, dict(halves=1)),           # 64-row units: one output half
     (200, 1024, 5632, "silu_mul", dict(y_staging=0)),  # two batch warpgroups, direct stores
