@@ -13,9 +13,11 @@ Structure
 * **Tiles**: a consumer warpgroup owns a *unit* of 128 W rows (two 64-row halves) x its batch
   columns. With ``silu_mul`` the two halves are gate rows ``[64u, 64u+64)`` and up rows
   ``[I+64u, ...)``, so one thread holds both accumulators of its output columns and the
-  epilogue is ``silu(gate) * up`` in fp32, rounded once. A tile is one unit, or two side by
-  side on two warpgroups when M > 16 and there are enough tiles (x is re-read from L2 once
-  per tile, so 256-row tiles halve that traffic); for M > 128 two warpgroups split the batch.
+  epilogue is ``silu(gate) * up`` in fp32, rounded once. A tile is one unit; for plain shapes
+  at 65-200 batch rows it is the same 128 rows as two 64-row units on two warpgroups, each
+  with every batch column (``HALF_WGS_ROWS``); above 128 rows otherwise two warpgroups split
+  the batch. (The ``row_wgs`` knob puts two units side by side in general; with 128-row
+  units that is a 256-row tile.)
 * **Stream-K over a persistent grid**: the (tile, k-block) iterations are laid end to end and
   cut into ``ctas`` equal contiguous ranges (ctas = number of SMs), one per CTA, so every SM
   streams the same number of weight bytes (at most one k-block apart) whatever N/128 is. A tile

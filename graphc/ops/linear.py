@@ -85,7 +85,9 @@ DECODE_GEMM_MAX_BATCH = 16
 # step itself (bench/results/step_crossover_ab_*, `graphc bench --quick`, A/B on one machine):
 # qkv and o_proj at 64 rows on the decode GEMM cost +64 us per step even at 1.017x alone, and
 # gate_up and down at 128 rows +80 us though faster alone; gate_up and down at 64 rows save
-# 110 us against cuBLAS (bench/step_notes.md).
+# 110 us against cuBLAS (bench/step_notes.md). Again on the session-6 kernel, one process:
+# qkv on the decode GEMM at 64 rows +36 us, o_proj +32, both +48; a smaller prologue does not
+# change it.
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 64,
     (18432, 7168, None): 64,
