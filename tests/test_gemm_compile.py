@@ -367,12 +367,13 @@ def test_sass_m1_tma_loads_are_2d(tmp_path):
 @pytest.mark.skipif(shutil.which("ptxas") is None or shutil.which("cuobjdump") is None
                     or shutil.which("nvdisasm") is None,
                     reason="needs ptxas, cuobjdump and nvdisasm (CUDA toolkit)")
-def test_sass_m256_spills_only_after_the_main_loop(tmp_path):
-    """M = 256 plain spills a little in the split reduction (test_register_spills): no local
-    memory access may come before the main loop's last wgmma."""
-    src = tmp_path / "m256.ptx"
-    src.write_text(ptx_of(256, 8192, 7168, None))
-    cubin = tmp_path / "m256.cubin"
+@pytest.mark.parametrize("m, k, n", [(256, 8192, 7168), (200, 7168, 10240)])
+def test_sass_spills_only_after_the_main_loop(tmp_path, m, k, n):
+    """M = 256 and 200 plain spill a little in the split reduction (test_register_spills): no
+    local memory access may come before the main loop's last wgmma."""
+    src = tmp_path / "gemm.ptx"
+    src.write_text(ptx_of(m, k, n, None))
+    cubin = tmp_path / "gemm.cubin"
     subprocess.run(["ptxas", "-arch=sm_90a", str(src), "-o", str(cubin)], check=True, capture_output=True)
     sass = subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], check=True,
                           capture_output=True, text=True).stdout.splitlines()
@@ -403,6 +404,10 @@ def test_ptx_block_k_128(m, k, n, epilogue):
         # register path for a reducer that is not first in CTA order); ptxas spills ~0.5 KB
         # around them, after the main loop (SASS: no local memory access before the last HGMMA).
         (256, 8192, 7168, None, 640),
+        # A 64-row half per warpgroup (65-200 rows): none at 128; at 200 (104 accumulators per
+        # thread) ~0.5 KB, also after the main loop (test_sass_spills_only_after_the_main_loop).
+        (128, 8192, 7168, None, 0),
+        (200, 7168, 10240, None, 640),
     ],
 )
 def test_register_spills(tmp_path, m, k, n, epilogue, max_spill):
