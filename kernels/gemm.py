@@ -888,14 +888,14 @@ class DecodeGemmKernel:
                     for i in cutlass.range_constexpr(size):
                         total[i] = total[i] + accs[fs[i][0]][fs[i][1]]
                 else:
+                    # From shared memory (staged: the others packed in CTA order) or from
+                    # the contributor's workspace slot, through L2 (another SM wrote it).
                     if const_expr(staged):
                         slot = self.staged_slot(c, c_lo, cta)
-                        parts = [cute.arch.load(self.ws_ptr(base, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
-                                                f32x4) for i in range(0, size, 4)]
                     else:
                         slot = self.slot_of(c, tile)
-                        parts = [cute.arch.load(self.ws_ptr(base, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
-                                                f32x4, cop="cg") for i in range(0, size, 4)]
+                    parts = [cute.arch.load(self.ws_ptr(base, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
+                                            f32x4, cop=None if staged else "cg") for i in range(0, size, 4)]
                     for i in cutlass.range_constexpr(size):
                         part = Float32(vector.extract(parts[i // 4], dynamic_position=[],
                                                       static_position=[i % 4]))
