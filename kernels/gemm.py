@@ -33,8 +33,9 @@ Structure
   fit (M = 256: 128 KB each) and the reducer comes first in CTA order (in practice always),
   it stages them in rounds and sums into its own accumulators.
 * **Epilogue** (``y_staging``, from 64 batch columns): the bf16 output tile goes through shared
-  memory, the stage the tile's last k-block used (held until the stores are done; for
-  M > 128 the drained pipeline of the CTA's last tile), and out as 16-byte vectors.
+  memory, the stage the tile's last k-block used (held until the stores are done; where the
+  tile does not fit there, M > 128 or a 64-row half per warpgroup, the drained pipeline of
+  the CTA's last tile), and out as 16-byte vectors.
 * **Pipeline**: a producer warp issues TMA (``cp.async.bulk.tensor``) loads of W (one 8 KB
   64x64 box per half, two per half with ``block_k = 128``) and x (one box per batch
   warpgroup) per stage into 128B-swizzled shared memory, completing on an mbarrier armed with
@@ -233,9 +234,11 @@ class GemmConfig:
         # (bench/gemm_notes.md §8). Each output half's tile (mma_n x 64 bf16) goes into the
         # warpgroup's W boxes of that stage if it fits there, the last one into the stage's
         # x buffer otherwise (when no other warpgroup shares it). For M > 128 (two batch
-        # warpgroups) it does not fit there; then the CTA's last tile (where its reducer is)
-        # stages y in the drained pipeline instead (``y_held`` false), the others store from
-        # the fragments (§10: 4.3 µs of direct stores in the reducer's tail at M = 256).
+        # warpgroups), and with a 64-row half per warpgroup (16 KB of output against its own
+        # 8 KB W box at 128 rows), it does not fit there; then the CTA's last tile (where its
+        # reducer is) stages y in the drained pipeline instead (``y_held`` false), the others
+        # store from the fragments (§10: 4.3 µs of direct stores in the reducer's tail at
+        # M = 256).
         # Measured (bench/gemm.py --tunings y_staging=0, H200): 2.5-4% faster on all four Kimi
         # shapes at M = 128, -1.2% to +0.6% at 64, and 0.3-1.9% slower at 8 (holding the
         # stage through the epilogue costs more there than the few stores it saves), so the
