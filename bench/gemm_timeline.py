@@ -132,8 +132,9 @@ def report(g, cfg, label: str, verbose: bool = True) -> dict:
     import torch
 
     (entry, waited, loop_end, end, arrived, ready, summed), role, sm = read_words(g, cfg)
-    summary = {"wait_passed_max": float(waited.max()), "streaming_median": float((loop_end - waited).median()),
-               "streaming_max": float((loop_end - waited).max()), "end_max": float(end.max()),
+    stream = loop_end - waited
+    summary = {"wait_passed_max": float(waited.max()), "streaming_median": float(stream.median()),
+               "streaming_max": float(stream.max()), "end_max": float(end.max()),
                "wait_to_end": float(end.max() - waited.min()),
                "entries_after_wait": int((entry > waited.min()).sum()),
                "per_cta": {"sm": sm.tolist(), "entry": entry.tolist(), "waited": waited.tolist(),
@@ -149,9 +150,8 @@ def report(g, cfg, label: str, verbose: bool = True) -> dict:
     print(f"  PDL wait passed        {q(waited)}")
     print(f"  last k-block done      {q(loop_end)}")
     print(f"  end                    {q(end)}")
-    print(f"  streaming (wait->last) {q(loop_end - waited)}")
+    print(f"  streaming (wait->last) {q(stream)}")
     print(f"  tail (last->end)       {q(end - loop_end)}")
-    stream = loop_end - waited
     fast = sorted(int(sm[c]) for c in range(cfg.ctas) if stream[c] < 0.93 * stream.median())
     print(f"  SMs streaming in < 93% of the median time ({len(fast)}): {fast}")
     order = torch.argsort(loop_end)

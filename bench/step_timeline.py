@@ -3,8 +3,7 @@ kernel alone: where the GEMM's extra time in the step goes (CTAs that start late
 predecessor that fills the SMs, slower streaming beside co-running kernels, or the tail).
 bench/gemm_notes.md §12.
 
-    source .gpu/setup.sh && python3 bench/step_timeline.py layer_specs/kimi_k3_dense_8l.yaml \\
-        --batch 64 qkv o_proj
+    source .gpu/setup.sh && python3 bench/step_timeline.py --batch 64 qkv o_proj
     # CPU, to put the instrumented kernels in the disk cache first:
     CUTE_DSL_ARCH=sm_90a python3 bench/step_timeline.py --precompile --batch 64 qkv o_proj
 
@@ -23,8 +22,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemm_timeline import ROOT, bench_shapes, instrumented_module, report, timeline  # noqa: E402
 
-sys.path.insert(0, ROOT)
-
 
 def route_to_instrumented(g, targets: set[tuple]) -> None:
     """Make graphc's decode-GEMM launches of ``targets`` ((M, K, N, epilogue)) run the
@@ -42,18 +39,13 @@ def route_to_instrumented(g, targets: set[tuple]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("spec", nargs="?", default=os.path.join(ROOT, "layer_specs", "kimi_k3_dense_8l.yaml"))
     ap.add_argument("shapes", nargs="+", help="bench/gemm.py shape names (gate_up, down, qkv, o_proj)")
+    ap.add_argument("--spec", default=os.path.join(ROOT, "layer_specs", "kimi_k3_dense_8l.yaml"))
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--precompile", action="store_true", help="only compile the instrumented kernels")
     args = ap.parse_args()
-    # argparse gives the first positional to ``spec``: a shape name there is a shape.
     shapes = bench_shapes()
-    if args.spec in shapes:
-        args.shapes.insert(0, args.spec)
-        args.spec = os.path.join(ROOT, "layer_specs", "kimi_k3_dense_8l.yaml")
     unknown = [s for s in args.shapes if s not in shapes]
     if unknown:
         raise SystemExit(f"unknown shape(s) {unknown}: one of {', '.join(shapes)}")
@@ -68,7 +60,7 @@ def main() -> None:
     import torch
 
     import graphc.ops.linear as linear_op
-    from graphc.bench import _inputs, time_replays
+    from graphc.bench import bench_step
     from graphc.runtime import build
 
     b = args.batch
@@ -82,10 +74,8 @@ def main() -> None:
         targets.add((b, k, n, e))
     route_to_instrumented(g, targets)
     step = build(args.spec, [b], device="cuda", progress=None)
-    tokens, seq_lens = _inputs(step, b, min(args.context, step.spec.model.max_context))
-    step(tokens, seq_lens)
-    t = time_replays(lambda: step.graphs[b].replay(), 2, args.replays)
-    print(f"step at batch {b}: {t * 1e6:.1f} us (instrumented kernels on {', '.join(args.shapes)})")
+    timed = bench_step(step.spec, [b], min(args.context, step.spec.model.max_context), step=step)[0]
+    print(f"step at batch {b}: {timed['step_us']:.1f} us (instrumented kernels on {', '.join(args.shapes)})")
     torch.cuda.synchronize()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     in_step = {}
@@ -105,6 +95,7 @@ def main() -> None:
         for where, r in (("step ", in_step[name]), ("alone", alone[name])):
             print(f"  {name + ':' + str(b):10s} {where}  wait->end {r['wait_to_end']:7.2f}  streaming "
                   f"{r['streaming_median']:7.2f} / {r['streaming_max']:7.2f}  late entries {r['entries_after_wait']:3d}")
+
 
 if __name__ == "__main__":
     main()
