@@ -32,6 +32,9 @@ ap.add_argument("--no-fp32", action="store_true", help="skip the two fp32 p @ V 
 ap.add_argument("--layouts", default="head-major",
                 help="KV cache storage, comma-separated: head-major ([slot, 2, head, pos, dim], "
                      "graphc's) and/or position-major ([slot, pos, 2, head, dim])")
+ap.add_argument("--pad", type=_ints, default=[0],
+                help="extra positions allocated per head beyond max_context (strides that are not "
+                     "powers of two), comma-separated")
 args = ap.parse_args()
 
 H, KV, HD, C = 64, 8, 128, 2048
@@ -45,17 +48,18 @@ print(f"{'layout':>13} {'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {
       f"{'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8} {'differ':>7}")
 
 
-def cache(T: int, layout: str) -> torch.Tensor:
-    """A random [slots, 2, KV, C, HD] cache stored head-major, or position-major (a view)."""
+def cache(T: int, layout: str, pad: int) -> torch.Tensor:
+    """A random [slots, 2, KV, C, HD] cache stored head-major, or position-major (a view), with
+    ``pad`` unused positions after each head's (or slot's) last."""
     if layout == "head-major":
-        return torch.randn(T + 1, 2, KV, C, HD, device="cuda").to(torch.bfloat16)
-    return torch.randn(T + 1, C, 2, KV, HD, device="cuda").to(torch.bfloat16).permute(0, 2, 3, 1, 4)
+        return torch.randn(T + 1, 2, KV, C + pad, HD, device="cuda").to(torch.bfloat16)[:, :, :, :C]
+    return torch.randn(T + 1, C + pad, 2, KV, HD, device="cuda").to(torch.bfloat16)[:, :C].permute(0, 2, 3, 1, 4)
 
 
-for layout, T in itertools.product(args.layouts.split(","), args.rows):
+for layout, pad, T in itertools.product(args.layouts.split(","), args.pad, args.rows):
     ctx = 1024
     qkv = torch.randn(T, (H + 2 * KV) * HD, device="cuda").to(torch.bfloat16)
-    kvs = [cache(T, layout) for _ in range(2)]
+    kvs = [cache(T, layout, pad) for _ in range(2)]
     lens = torch.full((T,), ctx - 1, device="cuda", dtype=torch.int32)
     slots = torch.arange(T, device="cuda", dtype=torch.int32)
     out = torch.empty(T, H * HD, device="cuda", dtype=torch.bfloat16)
@@ -79,6 +83,6 @@ for layout, T in itertools.product(args.layouts.split(","), args.rows):
             for _ in range(5):
                 run()
         t = time_replays(g.replay, 3, 20) / 10
-        print(f"{layout:>13} {T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} "
+        print(f"{layout + (f'+{pad}' if pad else ''):>13} {T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} "
               f"{pv:>6} {t * 1e6:8.1f} {floor * 1e6:9.1f} {t / floor:6.2f} {err:8.1e} {differ:7.1%}",
               flush=True)
