@@ -44,3 +44,25 @@ def test_step_breakdown_groups_layers_into_roles():
     # Sorted by time lost: layer-repeated roles before the one-off embedding gather.
     order = [line.split()[0] for line in table.splitlines()[2:-2]]
     assert order.index("mlp.gate_up") < order.index("embed")
+
+
+def test_step_breakdown_in_step_spans():
+    """Kernel records of two replays (out of order, a PDL dependent starting before its
+    predecessor ends) become each node's end minus the previous end, median over replays, and
+    sum per role next to the time alone."""
+    breakdown = _load("step_breakdown")
+    nodes = ["L00.attn.qkv", "L00.attn.attention", "L01.attn.qkv", "L01.attn.attention"]
+    replay = [(0.0, 10.0), (10.5, 20.0), (25.0, 12.0), (30.0, 9.0)]      # (start, duration) us
+    events = [{"ts": 1000.0 * r + 5 * r + start, "dur": dur} for r in (1, 0) for start, dur in replay]
+    spans = breakdown.kernel_spans(events, nodes)
+    assert spans == pytest.approx({"L00.attn.qkv": 10.0, "L00.attn.attention": 20.5,
+                                   "L01.attn.qkv": 6.5, "L01.attn.attention": 2.0})
+    with pytest.raises(RuntimeError, match="7 kernels"):
+        breakdown.kernel_spans(events[:7], nodes)
+    profile = {"implementations": {n: "cute" for n in nodes},
+               "kernels": [{"node": n, "kind": "k", "duration_us": 5.0} for n in nodes]}
+    rows = {r["role"]: r for r in breakdown.breakdown(profile, {n: 1.0 for n in nodes}, spans)}
+    assert rows["attn.qkv"]["in_step_us"] == pytest.approx(16.5)
+    assert rows["attn.attention"]["in_step_us"] == pytest.approx(22.5)
+    table = breakdown.format_breakdown(list(rows.values()), step_us=39.0, step_floor_us=4.0, batch=1)
+    assert "in step us" in table and "22.5" in table
