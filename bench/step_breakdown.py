@@ -1,6 +1,8 @@
 """Where a decode step loses against its HBM floor: each kernel alone, and inside the step.
 
     python3 bench/step_breakdown.py layer_specs/kimi_k3_dense_8l.yaml --batch-sizes 32,64
+    python3 bench/step_breakdown.py SPEC --batch-sizes 32 --timeline-dir out/ &&
+        graphc viz SPEC --profile out/step_timeline_b32.json --out step32.html
 
 Builds the step, times the captured graph (``graphc.bench.bench_step``), then profiles
 every kernel alone (``DecodeStep.profile``: each kernel 10x in its own CUDA graph, no
@@ -9,7 +11,8 @@ summed time, the summed floor (the op's own ``bytes_moved`` / 4.3 TB/s), their r
 time lost above the floor. The ``in step`` column is the same role inside the replayed graph
 (kernel timestamps from the profiler, CUPTI): each kernel's end minus the previous kernel's end,
 the time it adds to the step with its neighbours, PDL overlap and cache state as they really
-are. The last lines compare the sum of isolated kernels with the step: what launch gaps cost
+are; ``--timeline-dir`` writes the replayed step as a profile with start times, which
+``graphc viz`` draws with its PDL overlap. The last lines compare the sum of isolated kernels with the step: what launch gaps cost
 (step > sum) or what PDL overlap wins (step < sum).
 """
 
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -31,30 +35,52 @@ def role(node: str) -> str:
     return re.sub(r"^L\d+\.", "", node)
 
 
-def kernel_spans(events: list[dict], nodes: list[str]) -> dict[str, float]:
-    """Per node, the median over replays of (its kernel's end - the previous kernel's end): what
-    it adds to the step. ``events`` are the profiler's kernel records ({"ts", "dur"}, µs) of
-    whole replays of a step whose kernels, in schedule order, are ``nodes``; they are matched
-    by start order (a dependent never starts before its predecessor, even with PDL)."""
-    import statistics
-
+def _replays(events: list[dict], nodes: list[str]) -> list[list[tuple[str, dict]]]:
+    """The profiler's kernel records ({"ts", "dur"}, µs) of whole replays of a step whose
+    kernels, in schedule order, are ``nodes``, as one [(node, record)] list per replay. Matched
+    by start order: a dependent never starts before its predecessor, even with PDL."""
     if not events or len(events) % len(nodes):
         raise RuntimeError(f"the profiler saw {len(events)} kernels, not whole replays of a "
                            f"{len(nodes)}-kernel step; cannot attribute them")
     events = sorted(events, key=lambda e: e["ts"])
+    return [list(zip(nodes, events[r:r + len(nodes)])) for r in range(0, len(events), len(nodes))]
+
+
+def kernel_spans(events: list[dict], nodes: list[str]) -> dict[str, float]:
+    """Per node, the median over replays of (its kernel's end - the previous kernel's end): what
+    it adds to the step."""
     spans: dict[str, list[float]] = {}
-    for r in range(0, len(events), len(nodes)):
-        replay = events[r:r + len(nodes)]
-        prev_end = replay[0]["ts"]
-        for node, e in zip(nodes, replay):
+    for replay in _replays(events, nodes):
+        prev_end = replay[0][1]["ts"]
+        for node, e in replay:
             spans.setdefault(node, []).append(e["ts"] + e["dur"] - prev_end)
             prev_end = e["ts"] + e["dur"]
     return {node: statistics.median(v) for node, v in spans.items()}
 
 
-def in_step_spans(step, batch: int, replays: int = 10) -> dict[str, float]:
-    """``kernel_spans`` of ``replays`` replays of the captured graph, from CUPTI timestamps
-    (torch.profiler)."""
+def step_timeline(events: list[dict], nodes: list[str], implementations: dict, gpu: str,
+                  batch: int) -> dict:
+    """The replayed step as a profile ``graphc viz --profile`` draws to scale: per node the
+    median over replays of its start (from the replay's first kernel start) and duration, so
+    PDL overlap shows as it ran."""
+    replays = _replays(events, nodes)
+    starts: dict[str, list[float]] = {}
+    durations: dict[str, list[float]] = {}
+    for replay in replays:
+        for node, e in replay:
+            starts.setdefault(node, []).append(e["ts"] - replay[0][1]["ts"])
+            durations.setdefault(node, []).append(e["dur"])
+    return {"gpu": gpu, "batch": batch,
+            "method": f"inside the replayed CUDA graph (profiler timestamps, median of {len(replays)} "
+                      "replays)",
+            "implementations": implementations,
+            "kernels": [{"node": n, "start_us": statistics.median(starts[n]),
+                         "duration_us": statistics.median(durations[n])} for n in nodes]}
+
+
+def replay_kernel_events(step, batch: int, replays: int = 10) -> tuple[list[dict], list[str]]:
+    """The profiler's kernel records (CUPTI timestamps, torch.profiler) of ``replays`` replays
+    of the captured graph, and the schedule's nodes in launch order."""
     import tempfile
 
     import torch
@@ -71,7 +97,7 @@ def in_step_spans(step, batch: int, replays: int = 10) -> dict[str, float]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("cat") == "kernel"]
-    return kernel_spans(events, [k.node for k in step.plan.kernels_of(step.schedules[batch])])
+    return events, [k.node for k in step.plan.kernels_of(step.schedules[batch])]
 
 
 def breakdown(profile: dict, floors_us: dict[str, float], spans_us: dict[str, float] | None = None) -> list[dict]:
@@ -122,6 +148,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--out", help="write the profiles and tables as JSON here")
+    ap.add_argument("--timeline-dir", help="write each batch size's replayed step here as a profile "
+                                           "(step_timeline_b<B>.json) for graphc viz --profile")
     args = ap.parse_args()
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -129,7 +157,14 @@ def main() -> None:
     results = []
     for timed in bench_step(step.spec, sizes, args.context, step=step):     # as `graphc bench`
         b = timed["batch"]
-        spans = in_step_spans(step, b)           # before profile(), which rewrites the inputs
+        # The replayed step first: profile() rewrites the inputs.
+        events, nodes = replay_kernel_events(step, b)
+        spans = kernel_spans(events, nodes)
+        if args.timeline_dir:
+            timeline = step_timeline(events, nodes, step.schedules[b].implementations(),
+                                     torch.cuda.get_device_name(), b)
+            with open(os.path.join(args.timeline_dir, f"step_timeline_b{b}.json"), "w") as f:
+                json.dump(timeline, f, indent=1)
         prof = step.profile(b, context=args.context)
         floors = {node: n / H200_HBM_BYTES_PER_S * 1e6
                   for node, n in kernel_bytes(step.schedules[b], b, args.context).items()}

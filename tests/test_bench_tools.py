@@ -66,3 +66,27 @@ def test_step_breakdown_in_step_spans():
     assert rows["attn.attention"]["in_step_us"] == pytest.approx(22.5)
     table = breakdown.format_breakdown(list(rows.values()), step_us=39.0, step_floor_us=4.0, batch=1)
     assert "in step us" in table and "22.5" in table
+
+
+def test_step_breakdown_timeline_is_a_viz_profile():
+    """The replayed step as a profile: median start (from each replay's first kernel) and
+    duration per node, which graphc viz draws with the measured overlap."""
+    from graphc.viz import schedule_html
+
+    breakdown = _load("step_breakdown")
+    schedule = build_schedule(build_graph(load_spec("layer_specs/tiny.yaml")))
+    nodes = [k.node for k in schedule.kernels]
+    events = []
+    for r, base in enumerate((5000.0, 100.0, 9000.0)):       # three replays, out of order
+        t = base
+        for i, _ in enumerate(nodes):
+            # Each kernel starts 1 us before its predecessor ends (PDL overlap), lasts 3 + i us.
+            events.append({"ts": t, "dur": 3.0 + i + r})
+            t += 3.0 + i + r - 1.0
+    profile = breakdown.step_timeline(events, nodes, schedule.implementations(), "GPU", 8)
+    rows = profile["kernels"]
+    assert [row["node"] for row in rows] == nodes
+    assert rows[0]["start_us"] == 0.0 and rows[1]["start_us"] == pytest.approx(3.0)   # median replay
+    assert rows[2]["duration_us"] == pytest.approx(6.0)
+    html = schedule_html(schedule, profile)
+    assert "first start to last end" in html
