@@ -9,8 +9,11 @@ CUDA events; the time per call is the median replay time divided by the chain le
 
 Columns: ``pdl`` is our kernel as the decode step runs it (each call launched with the PDL
 attribute, so its weight prologue overlaps the previous call's tail); ``nopdl`` the same
-without the attribute; ``cublas`` is ``torch.mm`` in the same kind of graph (for silu_mul the
-GEMM alone; ``cublas+act`` adds the separate silu(gate) * up kernels the unfused path needs).
+without the attribute (as after a predecessor that never lets it in early: cuBLAS, or a kernel
+holding every SM to its end); ``cublas`` is ``torch.mm`` in the same kind of graph (for
+silu_mul the GEMM alone; ``cublas+act`` adds the separate silu(gate) * up kernels the unfused
+path needs). Both ratios to cuBLAS are printed: PDL chaining hides 2-3 µs per call at 32-64
+rows (bench/gemm_notes.md §14).
 The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the nominal
 4.3 TB/s (the measured D2D copy bandwidth is reported beside it). ``variants`` times the legal
 alternatives to the default tuning (``bk``: K per stage 64/128; ``pf``: W iterations prefetched
@@ -230,7 +233,8 @@ def main() -> None:
 
     rows = []
     hdr = (f"{'shape':<13}{'M':>4} {'floor us':>9} {'pdl us':>8} {'%floor':>7} {'nopdl us':>9} "
-           f"{'cublas us':>10} {'%floor':>7} {'pdl/cublas':>10} {'rel err':>8}  variants (pdl us)")
+           f"{'cublas us':>10} {'%floor':>7} {'pdl/cublas':>10} {'nopdl/cublas':>12} {'rel err':>8}  "
+           f"variants (pdl us)")
     print(hdr)
     print("-" * len(hdr))
     for name, k, n, epi in shapes:
@@ -244,7 +248,8 @@ def main() -> None:
             print(f"{name:<13}{m:>4} {fl * 1e6:>9.2f} {r['ours_pdl_s'] * 1e6:>8.2f} "
                   f"{fl / r['ours_pdl_s']:>7.1%} {r['ours_nopdl_s'] * 1e6:>9.2f} "
                   f"{r['cublas_s'] * 1e6:>10.2f} {fl / r['cublas_s']:>7.1%} "
-                  f"{r['ours_pdl_s'] / r['cublas_s']:>10.3f} {r['rel_err']:>8.1e}  {var}"
+                  f"{r['ours_pdl_s'] / r['cublas_s']:>10.3f} {r['ours_nopdl_s'] / r['cublas_s']:>12.3f} "
+                  f"{r['rel_err']:>8.1e}  {var}"
                   + (f"  (cublas+act {r['cublas_act_s'] * 1e6:.2f} us)" if "cublas_act_s" in r else ""),
                   flush=True)
 
