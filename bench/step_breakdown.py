@@ -96,7 +96,7 @@ def replay_kernel_events(step, batch: int, replays: int = 10) -> tuple[list[dict
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("cat") == "kernel"]
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
     return events, [k.node for k in step.plan.kernels_of(step.schedules[batch])]
 
 
@@ -153,6 +153,8 @@ def main() -> None:
     args = ap.parse_args()
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.timeline_dir:
+        os.makedirs(args.timeline_dir, exist_ok=True)
     step = graphc.build(args.spec, batch_sizes=sizes, progress=None)
     results = []
     for timed in bench_step(step.spec, sizes, args.context, step=step):     # as `graphc bench`
