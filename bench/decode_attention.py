@@ -1,7 +1,12 @@
-"""Time the Triton split-KV decode attention against its HBM floor for a few tilings.
+"""Time the split-KV decode attention kernels against their HBM floor for a few tilings.
 
     python3 bench/decode_attention.py        # Kimi K3 attention: 64 heads, 8 KV heads, dim 128
     python3 bench/decode_attention.py --rows 64 --chunk 256,512 --warps 4,8 --no-fp32
+    python3 bench/decode_attention.py --impl tma --rows 1,8,32,64 --chunk 128,256,512,1024 --stages 2,3
+
+``--impl`` picks the kernel: ``triton`` (kernels/decode_attention.py, tilings chunk x block-n x
+warps x stages x pv) and/or ``tma`` (kernels/decode_attention_tma.py, CuTe DSL, tilings chunk x
+stages; launched without a PDL predecessor here, so ``use_pdl`` changes nothing).
 
 ``pv`` is the p @ V product (``--pv``): ``fp32`` exact FMAs, ``bf16`` tensor cores with p rounded
 to bf16, ``bf16x2`` tensor cores with p split into two bf16 terms (the default). Every
@@ -35,16 +40,23 @@ ap.add_argument("--layouts", default="head-major",
 ap.add_argument("--pad", type=_ints, default=[0],
                 help="extra positions allocated per head beyond max_context (strides that are not "
                      "powers of two), comma-separated")
+ap.add_argument("--impl", default="triton", help="kernels, comma-separated: triton, tma")
 args = ap.parse_args()
 
 H, KV, HD, C = 64, 8, 128, 2048
-CONFIGS = ([] if args.no_fp32 else [(64, 32, 4, 3, "fp32"), (256, 32, 4, 3, "fp32")]) + [
-    (chunk, bn, warps, stages, pv)
-    for chunk, bn, warps, stages, pv in itertools.product(args.chunk, args.block_n, args.warps, args.stages,
-                                                          args.pv.split(","))
-    if bn <= chunk]
+IMPLS = args.impl.split(",")
+CONFIGS = []
+if "triton" in IMPLS:
+    CONFIGS += ([] if args.no_fp32 else [("triton", 64, 32, 4, 3, "fp32"), ("triton", 256, 32, 4, 3, "fp32")]) + [
+        ("triton", chunk, bn, warps, stages, pv)
+        for chunk, bn, warps, stages, pv in itertools.product(args.chunk, args.block_n, args.warps, args.stages,
+                                                              args.pv.split(","))
+        if bn <= chunk]
+if "tma" in IMPLS:
+    from graphc.kernels.decode_attention_tma import decode_attention as decode_attention_tma
+    CONFIGS += [("tma", chunk, 64, 5, stages, "bf16x2") for chunk, stages in itertools.product(args.chunk, args.stages)]
 op = DecodeAttentionOp(name="attn", heads=H, kv_heads=KV, head_dim=HD, max_context=C)
-print(f"{'layout':>13} {'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>6} "
+print(f"{'impl':>6} {'layout':>13} {'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>6} "
       f"{'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8} {'differ':>7}")
 
 
@@ -67,15 +79,23 @@ for layout, pad, T in itertools.product(args.layouts.split(","), args.pad, args.
     ref_kv = kvs[0].clone()
     ref_out = torch.empty_like(out)
     op.reference({"qkv": qkv, "kv": ref_kv, "seq_lens": lens, "cache_slots": slots, "out": ref_out}, {})
-    for chunk, bn, warps, stages, pv in CONFIGS:
+    for impl, chunk, bn, warps, stages, pv in CONFIGS:
+        if impl == "tma" and (layout != "head-major" or pad):
+            continue                      # the TMA kernel takes graphc's contiguous cache only
+
+        def attend(cache_, impl=impl, chunk=chunk, bn=bn, warps=warps, stages=stages, pv=pv):
+            if impl == "tma":
+                decode_attention_tma(qkv, cache_, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD,
+                                     chunk=chunk, stages=stages)
+            else:
+                decode_attention(qkv, cache_, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD,
+                                 chunk=chunk, block_n=bn, num_warps=warps, num_stages=stages, pv=pv)
+
         def run(kv=kvs):
             for cache_ in kv:
-                decode_attention(qkv, cache_, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD,
-                                 chunk=chunk, block_n=bn, num_warps=warps, num_stages=stages,
-                                 pv=pv)
+                attend(cache_)
         out.fill_(float("nan"))
-        decode_attention(qkv, kvs[0], lens, slots, out, heads=H, kv_heads=KV, head_dim=HD, chunk=chunk,
-                         block_n=bn, num_warps=warps, num_stages=stages, pv=pv)
+        attend(kvs[0])
         err = (out.float() - ref_out.float()).abs().max().item()
         differ = (out != ref_out).float().mean().item()
         g = torch.cuda.CUDAGraph()
@@ -83,6 +103,6 @@ for layout, pad, T in itertools.product(args.layouts.split(","), args.pad, args.
             for _ in range(5):
                 run()
         t = time_replays(g.replay, 3, 20) / 10
-        print(f"{layout + (f'+{pad}' if pad else ''):>13} {T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} "
+        print(f"{impl:>6} {layout + (f'+{pad}' if pad else ''):>13} {T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} "
               f"{pv:>6} {t * 1e6:8.1f} {floor * 1e6:9.1f} {t / floor:6.2f} {err:8.1e} {differ:7.1%}",
               flush=True)

@@ -177,3 +177,29 @@ def test_attention_triggers_early_without_hiding_anything(tiny):
     upto, because = known_complete(s.kernels, mlp.index)
     assert s.kernels[upto].node == "L01.attn.qkv" and "L01.attn.attention" in because
     assert verify(s) == []
+
+
+def test_tma_attention_enters_through_pdl(tiny):
+    """The CuTe DSL attention waits, reads before its wait only the cached K/V and the step's
+    inputs (no kernel of the step writes them before it) and reads qkv through L2, so the rule
+    lets it overlap the qkv GEMM: a PDL edge in, and still a PDL edge out to o_proj."""
+    s = build_schedule(tiny, {**GEMM, "decode_attention": "tma"})
+    att, o_proj = s.kernel("L01.attn.attention"), s.kernel("L01.attn.o_proj")
+    assert (att.edge, att.traits.waits, att.traits.trigger) == ("pdl", True, "early")
+    assert "kv" in att.traits.prologue and o_proj.edge == "pdl"
+    assert verify(s) == []
+
+
+def test_attention_default_follows_the_batch_size(tiny):
+    """The TMA attention from TMA_MIN_BATCH rows where CuTe DSL is installed (measured faster in
+    the step there), the Triton or torch kernel below."""
+    import importlib.util
+
+    from graphc.ops.attention import TMA_MIN_BATCH, tma_supports
+
+    assert tma_supports(64, 8, 128, 2048) and not tma_supports(64, 8, 96, 2048)
+    assert not tma_supports(64, 8, 128, 1000) and not tma_supports(128, 1, 128, 2048)
+    small = build_schedule(tiny, GEMM, batch=TMA_MIN_BATCH - 1).kernel("L01.attn.attention")
+    large = build_schedule(tiny, GEMM, batch=TMA_MIN_BATCH).kernel("L01.attn.attention")
+    assert small.impl != "tma"
+    assert large.impl == ("tma" if importlib.util.find_spec("cutlass") else small.impl)

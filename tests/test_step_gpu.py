@@ -82,7 +82,8 @@ def test_kimi_8l_four_steps_against_reference(step8l, batch):
        wiring error gives ~1.
     """
     ref = reference_twin(step8l)
-    swaps = [reference_twin(step8l, {"decode_attention": "triton"}), reference_twin(step8l, {"attn_res": "cute"})]
+    swaps = [reference_twin(step8l, {"decode_attention": "triton"}), reference_twin(step8l, {"decode_attention": "tma"}),
+             reference_twin(step8l, {"attn_res": "cute"})]
     size = step8l.padded_size(batch)
     eager = reference_twin(step8l, step8l.schedule_for(batch).implementations())
     gen = torch.Generator().manual_seed(batch)

@@ -21,6 +21,12 @@ from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits
 # The Triton kernel never waits (so it is entered through a full edge) but triggers its
 # dependents at entry: a decode GEMM after it streams weights during attention.
 TRITON_TRAITS = PdlTraits(waits=False, trigger="early")
+# The CuTe DSL kernel (kernels/decode_attention_tma.py; mirrored here without importing cutlass)
+# waits, so it may be entered through a PDL edge: before its wait it reads only the lengths,
+# the slots and the cached K/V (none written by this step before it), and it reads qkv through
+# L2. It triggers its dependents at entry too.
+TMA_TRAITS = PdlTraits(waits=True, trigger="early", prologue=("kv", "seq_lens", "cache_slots"),
+                       bypasses_l1=True)
 
 
 def _launch_reference(op, t, w, stream, use_pdl):
@@ -32,6 +38,31 @@ def _launch_triton(op, t, w, stream, use_pdl):
 
     decode_attention(t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"],
                      heads=op.heads, kv_heads=op.kv_heads, head_dim=op.head_dim)
+
+
+def _launch_tma(op, t, w, stream, use_pdl):
+    from graphc.kernels.decode_attention_tma import decode_attention
+
+    decode_attention(t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"], heads=op.heads,
+                     kv_heads=op.kv_heads, head_dim=op.head_dim, stream=stream, use_pdl=use_pdl)
+
+
+def _tma_available() -> bool:
+    return (importlib.util.find_spec("cutlass") is not None
+            and importlib.util.find_spec("graphc.kernels.decode_attention_tma") is not None)
+
+
+# From this captured batch size up the TMA kernel is the default (measured in the 8-layer step,
+# one process, bench/decode_attention_notes.md v14): batch 32 2876 us against 2926 with the
+# Triton kernel, batch 64 3272 against 3267 (equal); below, the Triton kernel's shorter latency
+# wins (batch 1 2612 against 2565, batch 8 2645 against 2635).
+TMA_MIN_BATCH = 17
+
+
+def tma_supports(heads: int, kv_heads: int, head_dim: int, max_context: int) -> bool:
+    """The shapes kernels/decode_attention_tma.check_shape accepts (mirrored without cutlass)."""
+    return (kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= 64
+            and head_dim in (64, 128, 256) and max_context % 64 == 0 and max_context > 0)
 
 
 def _triton_available() -> bool:
@@ -46,12 +77,23 @@ class DecodeAttentionOp(Op):
         # Split-KV Triton kernel: reads only the cached tokens (the torch path reads max_context).
         "triton": Implementation("triton", TRITON_TRAITS, _launch_triton, available=_triton_available),
         "torch": Implementation("torch", LIBRARY_KERNEL, _launch_reference),
+        # TMA producer warp + wgmma warpgroup (CuTe DSL); contiguous head-major cache.
+        "tma": Implementation("tma", TMA_TRAITS, _launch_tma, available=_tma_available),
     }
 
     heads: int = 0
     kv_heads: int = 0
     head_dim: int = 0
     max_context: int = 0
+
+    def default_implementation(self, batch: int | None = None) -> str:
+        """The TMA kernel from TMA_MIN_BATCH rows (where the shape allows it and CuTe DSL is
+        installed), the Triton kernel below and when no batch size is known."""
+        tma = self.implementations["tma"]
+        if (batch is not None and batch >= TMA_MIN_BATCH and tma.available()
+                and tma_supports(self.heads, self.kv_heads, self.head_dim, self.max_context)):
+            return "tma"
+        return super().default_implementation(batch)
 
     def params(self):
         return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,

@@ -1,0 +1,199 @@
+"""The CuTe DSL decode attention (kernels/decode_attention_tma.py).
+
+CPU: the shapes it refuses, and compile-only checks of its PTX (CUTE_DSL_ARCH=sm_90a, set by
+conftest.py). GPU (``-m gpu``): against the op's fp32 torch reference over ragged lengths and
+split counts with poisoned outputs, bitwise-stable relaunches, and the PDL race (a slow kernel
+writes qkv while attention streams the cache before its wait).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import pytest
+import torch
+
+from graphc.kernels import decode_attention_tma as tma
+from graphc.kernels.decode_attention_tma import AttentionConfig
+
+H, KV, HD, C = 64, 8, 128, 2048
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: validation and PTX.
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, rule", [
+    (dict(heads=60, kv_heads=8), "multiple of kv_heads"),
+    (dict(heads=128, kv_heads=1), "at most 64 query heads"),
+    (dict(head_dim=96), "head_dim=96 unsupported"),
+    (dict(max_context=1000), "max_context=1000 must be a positive multiple of 64"),
+    (dict(chunk=100), "chunk=100 must be a positive multiple of 64"),
+    (dict(stages=9), "stages=9"),
+    (dict(head_dim=256, stages=4), "shared memory"),
+])
+def test_bad_shapes_are_refused(kwargs, rule):
+    args = dict(rows=8, heads=H, kv_heads=KV, head_dim=HD, max_context=C, chunk=256, stages=3) | kwargs
+    with pytest.raises(ValueError, match=rule):
+        AttentionConfig(**args)
+
+
+def test_splits_cover_the_context():
+    assert AttentionConfig(8, H, KV, HD, C, 256).splits == 8
+    assert AttentionConfig(8, H, KV, HD, C, 4096).chunk == C          # never longer than the cache
+    assert AttentionConfig(8, H, KV, HD, 1088, 1024).splits == 2
+
+
+def test_validate_names_the_problem():
+    qkv = torch.zeros(2, (H + 2 * KV) * HD, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 2, KV, 128, HD, dtype=torch.bfloat16)
+    lens = torch.zeros(2, dtype=torch.int32)
+    out = torch.zeros(2, H * HD, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="seq_lens must be torch.int32"):
+        tma.validate(qkv, kv, lens.long(), lens, out, H, KV, HD)
+    with pytest.raises(ValueError, match="kv must be contiguous"):
+        tma.validate(qkv, kv.transpose(3, 4).contiguous().transpose(3, 4), lens, lens, out, H, KV, HD)
+    with pytest.raises(ValueError, match="out must be"):
+        tma.validate(qkv, kv, lens, lens, out[:1], H, KV, HD)
+    with pytest.raises(ValueError, match="CUDA"):
+        tma.validate(qkv, kv, lens, lens, out, H, KV, HD)
+
+
+_PTX: dict[tuple, str] = {}
+
+
+def ptx_of(rows: int, chunk: int, stages: int = tma.DEFAULT_STAGES) -> str:
+    key = (rows, chunk, stages)
+    if key not in _PTX:
+        with tempfile.TemporaryDirectory() as d:
+            _PTX[key] = tma.compile_attention(rows, H, KV, HD, C, chunk=chunk, stages=stages,
+                                              options=f"--keep-ptx --dump-dir {d}").__ptx__
+    return _PTX[key]
+
+
+@pytest.mark.parametrize("rows, chunk", [(1, 128), (32, 1024)])
+def test_ptx_has_the_designed_instructions(rows, chunk):
+    ptx = ptx_of(rows, chunk)
+    # S = Q K^T from shared memory, P V with P from registers (the {...} register list as A).
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", ptx)) == HD // 16
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx)
+    assert len(pv) == 2 * 64 // 16          # hi and lo, 64 positions in steps of 16
+    assert "cp.async.bulk.tensor.2d" in ptx
+    # The trigger comes first; the append is fenced to the async proxy before its tile's TMA.
+    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
+    assert "fence.proxy.async.global" in ptx
+    assert "ld.global.cg." in ptx         # the combine reads other CTAs' partials through L2
+
+
+def test_ptx_loads_cached_tiles_before_the_wait():
+    """The producer's first TMA loads (the cached tiles) precede its griddepcontrol.wait in
+    program order: the cache streams while the predecessor finishes."""
+    ptx = ptx_of(32, 1024)
+    first_tma = ptx.index("cp.async.bulk.tensor")
+    waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
+    assert any(w > first_tma for w in waits)
+    assert min(waits) < first_tma or len(waits) >= 2
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU.
+# ------------------------------------------------------------------------------------------------
+def _case(T: int, maxlen: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(T, (H + 2 * KV) * HD, generator=gen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(T + 1, 2, KV, C, HD, generator=gen, device="cuda").to(torch.bfloat16)
+    lens = torch.randint(0, maxlen + 1, (T,), generator=gen, device="cuda", dtype=torch.int32)
+    slots = torch.randperm(T + 1, device="cuda")[:T].to(torch.int32)
+    return qkv, kv, lens, slots
+
+
+def _reference(qkv, kv, lens, slots):
+    from graphc.ops.attention import DecodeAttentionOp
+
+    op = DecodeAttentionOp(name="attn", heads=H, kv_heads=KV, head_dim=HD, max_context=C)
+    want_kv = kv.clone()
+    want = torch.full((qkv.shape[0], H * HD), float("nan"), device="cuda", dtype=torch.bfloat16)
+    op.reference({"qkv": qkv, "kv": want_kv, "seq_lens": lens, "cache_slots": slots, "out": want}, {})
+    return want, want_kv
+
+
+def _ulps_apart(a, b):
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, maxlen, chunk, stages", [
+    (1, 0, None, 3),          # only the new token
+    (1, 63, 64, 3),           # one full tile ending at the new token
+    (3, 700, None, 3),
+    (8, 2000, None, 3),
+    (32, 1100, None, 3),      # two splits for the long rows, one for the short
+    (64, 1030, None, 3),
+    (5, 900, 128, 2),         # stages < tiles in flight
+    (4, 1500, 2048, 4),       # one split: no combine
+    (2, 1900, 64, 1),         # 30 splits, one stage
+])
+def test_against_reference(T, maxlen, chunk, stages):
+    qkv, kv, lens, slots = _case(T, maxlen, T * 7 + (chunk or 0))
+    want, want_kv = _reference(qkv, kv, lens, slots)
+    got = torch.full_like(want, float("nan"))
+    tma.decode_attention(qkv, kv, lens, slots, got, heads=H, kv_heads=KV, head_dim=HD, chunk=chunk,
+                         stages=stages)
+    assert torch.equal(kv, want_kv), "the append (or something else) changed the cache differently"
+    assert not torch.isnan(got).any()
+    # As the Triton kernel: p = hi + lo carries 16 bits, so only the fp32 summation order differs
+    # from the reference: within one bf16 ulp except near zero.
+    ulps = _ulps_apart(got, want)
+    near_zero = (got.float() - want.float()).abs() <= want.float().abs().max() / 1024
+    assert bool(((ulps <= 1) | near_zero).all()), int(ulps.max())
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert rel < 2e-3, rel
+    # A relaunch over the same cache (the token rewritten with the same values) gives the same
+    # bits, and the combine left every arrival counter at zero.
+    again = torch.full_like(got, float("nan"))
+    tma.decode_attention(qkv, kv, lens, slots, again, heads=H, kv_heads=KV, head_dim=HD, chunk=chunk,
+                         stages=stages)
+    assert torch.equal(again, got)
+    assert all(int(ws[1].abs().sum()) == 0 for ws in tma._WORKSPACES.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 32])
+def test_pdl_race_with_slow_producer(T):
+    """A slow kernel (triggers at entry, spins 20 us, then writes qkv) precedes attention on a
+    PDL edge: attention streams the cache before its wait, and must still read q and the new
+    k, v only after it. 100 replays, qkv and the output poisoned before each, equal the
+    serialised answer bit for bit, and so does the cache."""
+    import pdl_producer
+
+    qkv_src, kv0, lens, slots = _case(T, 1500, 99 + T)
+    want, want_kv = _reference(qkv_src, kv0, lens, slots)
+    qkv = torch.empty_like(qkv_src)
+    kv = kv0.clone()
+    out = torch.empty_like(want)
+    qkv.copy_(qkv_src)
+    tma.decode_attention(qkv, kv, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD, use_pdl=False)
+    torch.cuda.synchronize()
+    expected = out.clone()
+    assert torch.equal(kv, want_kv)
+
+    def step():
+        qkv.fill_(float("nan"))
+        out.fill_(float("nan"))
+        pdl_producer.slow_copy(qkv_src, qkv, 20_000)
+        tma.decode_attention(qkv, kv, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD, use_pdl=True)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(100):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), (
+            f"replay {i}: attention read qkv before its producer finished")
+        assert torch.equal(kv, want_kv), f"replay {i}: the cache got a poisoned append"
