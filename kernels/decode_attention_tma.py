@@ -100,10 +100,11 @@ class AttentionConfig:
         self.rows, self.heads, self.kv_heads, self.head_dim = rows, heads, kv_heads, head_dim
         self.max_context, self.chunk, self.stages = max_context, min(chunk, max_context), stages
         self.group = heads // kv_heads
+        self.n_q = -(-self.group // 8) * 8       # P V's wgmma N: the query heads, in steps of 8
         self.splits = -(-max_context // self.chunk)
         self.qkv_cols = (heads + 2 * kv_heads) * head_dim
         self.tile_bytes = TILE * head_dim * 2
-        smem = 2 * stages * self.tile_bytes + MMA_M * head_dim * 2 + 1024
+        smem = 2 * stages * self.tile_bytes + MMA_M * head_dim * 2 + 4 * self.n_q * TILE * 2 + 2048
         if smem > SMEM_MAX:
             raise ValueError(f"stages={stages} at head_dim {head_dim} needs {smem} bytes of shared "
                              f"memory (at most {SMEM_MAX})")
@@ -169,13 +170,16 @@ class DecodeAttentionKernel:
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
             Float32, (1, 1, 1), tiler_mn=(MMA_M, TILE))
-        # P V: A = P from registers, B = V in its MN-major view (head_dim contiguous).
+        # O^T = V^T P^T: A = V in its MN-major view (head_dim rows, contiguous), B = P^T (the
+        # query heads, N = 8 for G = 8, positions contiguous) from shared memory.
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), tiler_mn=(MMA_M, hd), a_source=warpgroup.OperandSource.RMEM)
+            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K,
+            Float32, (1, 1, 1), tiler_mn=(MMA_M, cfg.n_q))
         sQ_layout = sm90_utils.make_smem_layout_a(k_major, qk_tiler, BFloat16, 1)
         # K and V tiles share one layout (positions x head_dim, K-major for S = Q K^T).
         sKV_layout = sm90_utils.make_smem_layout_b(k_major, qk_tiler, BFloat16, cfg.stages)
+        # P^T buffers: (tile parity, hi / lo) -> 4 of (n_q x 64 positions).
+        sP_layout = sm90_utils.make_smem_layout_b(k_major, (MMA_M, cfg.n_q, TILE), BFloat16, 4)
         tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mKV, cute.slice_(sKV_layout, (None, None, 0)), (TILE, hd))
 
@@ -184,13 +188,16 @@ class DecodeAttentionKernel:
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sKV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
+            alpha: cute.struct.MemRange[Float32, 2 * cfg.n_q]     # per tile parity: O's rescale
+            ml: cute.struct.MemRange[Float32, 2 * cfg.n_q]        # final max, sum per query
             full: cute.struct.MemRange[Int64, cfg.stages]
             empty: cute.struct.MemRange[Int64, cfg.stages]
             flag: cute.struct.MemRange[Int32, 4]
 
         self.shared_storage = SharedStorage
         self.kernel(tma_kv, mKV_tma, mKV, mQKV, mOut, mLens, mSlots, mWs, mCount, tiled_mma_qk,
-                    tiled_mma_pv, sQ_layout, sKV_layout).launch(
+                    tiled_mma_pv, sQ_layout, sKV_layout, sP_layout).launch(
             grid=[cfg.splits, cfg.kv_heads, cfg.rows], block=[THREADS, 1, 1], stream=stream,
             use_pdl=use_pdl)
 
@@ -199,7 +206,8 @@ class DecodeAttentionKernel:
     def kernel(self, tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, mKV: cute.Tensor, mQKV: cute.Tensor, mOut: cute.Tensor,
                mLens: cute.Tensor, mSlots: cute.Tensor, mWs: cute.Tensor, mCount: cute.Tensor,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout):
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout):
         cfg = self.cfg
         cute.arch.griddepcontrol_launch_dependents()
         split, kvh, t = cute.arch.block_idx()
@@ -221,6 +229,9 @@ class DecodeAttentionKernel:
             sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
             sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+            sAlpha = cute.make_tensor(storage.alpha.data_ptr(), cute.make_layout(2 * cfg.n_q))
+            sML = cute.make_tensor(storage.ml.data_ptr(), cute.make_layout(2 * cfg.n_q))
             if warp == PRODUCER_WARP:
                 cpasync.prefetch_descriptor(tma_kv)
                 with cute.arch.elect_one():
@@ -235,8 +246,8 @@ class DecodeAttentionKernel:
                 self.producer(tma_kv, mKV_tma, mKV, mQKV, mSlots, sK, sV, full, empty, t, kvh, L, start,
                               n_tiles, holds_new)
             elif warp < PRODUCER_WARP:
-                self.consumer(tiled_mma_qk, tiled_mma_pv, mQKV, mOut, mWs, mCount, sQ, sK, sV, full,
-                              empty, storage.flag.data_ptr(), t, kvh, split, live, start, end, n_tiles,
+                self.consumer(tiled_mma_qk, tiled_mma_pv, mQKV, mOut, mWs, mCount, sQ, sK, sV, sP, sAlpha,
+                              sML, full, empty, storage.flag.data_ptr(), t, kvh, split, live, start, end, n_tiles,
                               tidx)
 
     # --------------------------------------------------------------------------------------------
@@ -293,8 +304,8 @@ class DecodeAttentionKernel:
 
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, tiled_mma_qk, tiled_mma_pv, mQKV, mOut, mWs, mCount, sQ, sK, sV, full, empty,
-                 flag, t, kvh, split, live, start, end, n_tiles, tidx):
+    def consumer(self, tiled_mma_qk, tiled_mma_pv, mQKV, mOut, mWs, mCount, sQ, sK, sV, sP, sAlpha, sML,
+                 full, empty, flag, t, kvh, split, live, start, end, n_tiles, tidx):
         cfg = self.cfg
         hd = cfg.head_dim
         lane = cute.arch.lane_idx()
@@ -302,21 +313,20 @@ class DecodeAttentionKernel:
         thr_pv = tiled_mma_pv.get_slice(tidx)
         tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
         tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-        # V as P V's B operand: (head_dim, positions) over the same bytes as the loaded tile.
+        # V^T as O^T's A operand: (head_dim, positions) over the same bytes as the loaded tile.
         sVt = cute.composition(sV, cute.make_ordered_layout((hd, TILE, cfg.stages), order=(1, 0, 2)))
-        tOrVt = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tOrVt = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sVt))
+        tOrP = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sP))
         tScS = thr_qk.partition_C(cute.make_identity_tensor((MMA_M, TILE)))
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((MMA_M, hd)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((hd, cfg.n_q)))    # (dim, query)
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
-        p_hi = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((MMA_M, TILE)))
-        p_lo = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((MMA_M, TILE)))
         # Both products accumulate (S from zeros each tile; O across tiles).
         tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
 
-        # Q: the group's heads in rows 0..G-1, zeros below (rows are independent in both
-        # products, so the padding never reaches a real row). q comes from the predecessor.
+        # Q: the group's heads in rows 0..G-1, zeros below (rows are independent in S, and
+        # only rows < G reach P). q comes from the predecessor.
         cute.arch.griddepcontrol_wait()
         q_col = kvh * cfg.group * hd
         for r in cutlass.range_constexpr(MMA_M):
@@ -325,15 +335,22 @@ class DecodeAttentionKernel:
                     sQ[(r, c + tidx, 0)] = self.qkv_load(mQKV, t, q_col + r * hd + c + tidx)
                 else:
                     sQ[(r, c + tidx, 0)] = BFloat16(0.0)
+        if const_expr(cfg.n_q > cfg.group):
+            # P^T's padding queries stay zero (their O^T columns are never stored either).
+            for q in cutlass.range_constexpr(cfg.group, cfg.n_q):
+                for b in cutlass.range_constexpr(4):
+                    if tidx < TILE:
+                        sP[(q, tidx, b)] = BFloat16(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
 
-        # Running max (log2 units) and this thread's share of the running sum, per row half.
+        # Running max (log2 units) and this thread's share of the running sum, per row half of S.
         m0, m1 = -Float32.inf, -Float32.inf
         l0, l1 = Float32(0.0), Float32(0.0)
         acc_o.fill(0.0)
         for i in cutlass.range(n_tiles, unroll=1):
             s = i % cfg.stages
+            par = i % 2
             cute.arch.mbarrier_wait(full + s, (i // cfg.stages) % 2)
             valid = end - (start + i * TILE)       # positions of this tile that exist (>= 64: all)
             if valid < TILE:
@@ -341,8 +358,6 @@ class DecodeAttentionKernel:
                 for r in cutlass.range(valid, TILE, unroll=1):
                     for c in cutlass.range_constexpr(0, hd, CONSUMER_THREADS):
                         sV[(r, c + tidx, s)] = BFloat16(0.0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
             acc_s.fill(0.0)
             warpgroup.fence()
             for kk in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
@@ -350,33 +365,55 @@ class DecodeAttentionKernel:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            m0, l0 = self.softmax_rows(acc_s, tScS, acc_o, p_hi, p_lo, valid, 0, m0, l0)
-            m1, l1 = self.softmax_rows(acc_s, tScS, acc_o, p_hi, p_lo, valid, 1, m1, l1)
+            m0, l0 = self.softmax_rows(acc_s, tScS, sP, sAlpha, valid, par, 0, m0, l0, lane)
+            m1, l1 = self.softmax_rows(acc_s, tScS, sP, sAlpha, valid, par, 1, m1, l1, lane)
+            # P^T, alpha (and V's zeroed rows) are generic-proxy writes: make them visible to
+            # the wgmma (async proxy) and to every warp of the group. The buffers alternate by
+            # tile parity, so a fast warp's next writes never meet a slow warp's reads.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+            for j in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[j] = acc_o[j] * sAlpha[par * cfg.n_q + tOcO[j][1]]
 
             warpgroup.fence()
-            for kk in cutlass.range_constexpr(cute.size(p_hi, mode=[2])):
-                cute.gemm(tiled_mma_pv, acc_o, p_hi[(None, None, kk)], tOrVt[(None, None, kk, s)], acc_o)
-            for kk in cutlass.range_constexpr(cute.size(p_lo, mode=[2])):
-                cute.gemm(tiled_mma_pv, acc_o, p_lo[(None, None, kk)], tOrVt[(None, None, kk, s)], acc_o)
+            for b in cutlass.range_constexpr(2):      # p = hi + lo: two products
+                for kk in cutlass.range_constexpr(cute.size(tOrVt, mode=[2])):
+                    cute.gemm(tiled_mma_pv, acc_o, tOrVt[(None, None, kk, s)], tOrP[(None, None, kk, 2 * par + b)],
+                              acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             if lane == 0:
                 cute.arch.mbarrier_arrive(empty + s)
 
+        # Each query's max and sum (the sum reduced over its quad) to shared memory, for the
+        # threads that hold its O^T column.
         l0 = self.quad_sum(l0)
         l1 = self.quad_sum(l1)
+        if lane % 4 == 0:
+            self.put_row_stat(sML, tScS, 0, m0, l0)
+            self.put_row_stat(sML, tScS, 1, m1, l1)
+        cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
         if live == 1:
-            self.store_out(mOut, acc_o, tOcO, t, kvh, l0, l1)
+            self.store_out(mOut, acc_o, tOcO, t, kvh, sML)
         else:
-            self.combine(mOut, mWs, mCount, flag, acc_o, tOcO, t, kvh, split, live, m0, m1, l0, l1, tidx)
+            self.combine(mOut, mWs, mCount, flag, acc_o, tOcO, t, kvh, split, live, sML, tidx)
 
     @cute.jit
-    def softmax_rows(self, acc_s, tScS, acc_o, p_hi, p_lo, valid, h: cutlass.Constexpr, m_run, l_run):
-        """Online softmax of this thread's row half ``h`` of S (in place: S scaled to log2
-        units, masked past ``valid``), P = hi + lo into the A fragments, O rescaled. Element j
-        of a wgmma accumulator sits in row half (j // 2) % 2 (pairs of columns, two rows 8
-        apart, then blocks of 8 columns); a quad of threads shares its rows. Returns the new
-        running max and this thread's share of the running sum."""
+    def put_row_stat(self, sML, tScS, h: cutlass.Constexpr, m_row, l_row):
+        """Row half h's max and sum, if it is a real query (S's row = the query)."""
+        q = tScS[2 * h][0]
+        if q < self.cfg.group:
+            sML[q] = m_row
+            sML[self.cfg.n_q + q] = l_row
+
+    @cute.jit
+    def softmax_rows(self, acc_s, tScS, sP, sAlpha, valid, par, h: cutlass.Constexpr, m_run, l_run, lane):
+        """Online softmax of this thread's row half ``h`` of S (masked past ``valid``, in log2
+        units). Element j of a wgmma accumulator sits in row half (j // 2) % 2 (pairs of
+        columns, two rows 8 apart, then blocks of 8 columns); a quad of threads shares its
+        rows. Real rows (queries < G) write p = hi + lo into P^T (buffers 2 par, 2 par + 1)
+        and the rescale factor into sAlpha. Returns the new running max and this thread's
+        share of the running sum."""
         cfg = self.cfg
         top = -Float32.inf
         for j in cutlass.range_constexpr(cute.size(acc_s)):
@@ -390,18 +427,21 @@ class DecodeAttentionKernel:
         top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 2))
         m_new = cute.arch.fmax(m_run, top)
         alpha = exp2(m_run - m_new)
+        q = tScS[2 * h][0]
         row_sum = Float32(0.0)
         for j in cutlass.range_constexpr(cute.size(acc_s)):
             if const_expr((j // 2) % 2 == h):
                 p = exp2(acc_s[j] - m_new)
                 row_sum = row_sum + p
-                hi = p.to(BFloat16)
-                p_hi[j] = hi
-                # p - hi is exact in fp32; its bf16 rounding keeps 16 bits of p in all
-                p_lo[j] = (p - hi.to(Float32)).to(BFloat16)
-        for j in cutlass.range_constexpr(cute.size(acc_o)):
-            if const_expr((j // 2) % 2 == h):
-                acc_o[j] = acc_o[j] * alpha
+                if q < cfg.group:
+                    hi = p.to(BFloat16)
+                    k = tScS[j][1]
+                    sP[(q, k, 2 * par)] = hi
+                    # p - hi is exact in fp32; its bf16 rounding keeps 16 bits of p in all
+                    sP[(q, k, 2 * par + 1)] = (p - hi.to(Float32)).to(BFloat16)
+        if q < cfg.group:
+            if lane % 4 == 0:
+                sAlpha[par * cfg.n_q + q] = alpha
         return m_new, l_run * alpha + row_sum
 
     @cute.jit
@@ -411,33 +451,29 @@ class DecodeAttentionKernel:
 
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def store_out(self, mOut, acc_o, tOcO, t, kvh, l0, l1):
-        """out = acc / l in bf16 (l0, l1: the two row halves' sums), real rows only."""
+    def store_out(self, mOut, acc_o, tOcO, t, kvh, sML):
+        """out = O / l in bf16 for the real queries (O^T's element j is (dim, query) tOcO[j])."""
         cfg = self.cfg
-        inv = [Float32(1.0) / l0, Float32(1.0) / l1]
         for j in cutlass.range_constexpr(cute.size(acc_o)):
-            r, c = tOcO[j]
-            if r < cfg.group:
-                mOut[t, (kvh * cfg.group + r) * cfg.head_dim + c] = (acc_o[j] * inv[(j // 2) % 2]).to(BFloat16)
+            d, q = tOcO[j]
+            if q < cfg.group:
+                mOut[t, (kvh * cfg.group + q) * cfg.head_dim + d] = (acc_o[j] / sML[cfg.n_q + q]).to(BFloat16)
 
     @cute.jit
-    def combine(self, mOut, mWs, mCount, flag, acc_o, tOcO, t, kvh, split, live, m0, m1, l0, l1, tidx):
+    def combine(self, mOut, mWs, mCount, flag, acc_o, tOcO, t, kvh, split, live, sML, tidx):
         """Publish this split's partial; the last live split to arrive sums them in split order
         (so the bits do not depend on which split came last) and writes the output."""
         cfg = self.cfg
         hd = cfg.head_dim
         partials = cfg.rows * cfg.heads * cfg.splits
         head0 = t * cfg.heads + kvh * cfg.group
-        m = [m0, m1]
-        l = [l0, l1]
         for j in cutlass.range_constexpr(cute.size(acc_o)):
-            r, c = tOcO[j]
-            if r < cfg.group:
-                p = (head0 + r) * cfg.splits + split
-                mWs[2 * partials + p * hd + c] = acc_o[j]
-                if c == 0:
-                    mWs[p] = m[(j // 2) % 2]
-                    mWs[partials + p] = l[(j // 2) % 2]
+            d, q = tOcO[j]
+            if q < cfg.group:
+                mWs[2 * partials + ((head0 + q) * cfg.splits + split) * hd + d] = acc_o[j]
+        if tidx < cfg.group:
+            mWs[(head0 + tidx) * cfg.splits + split] = sML[tidx]
+            mWs[partials + (head0 + tidx) * cfg.splits + split] = sML[cfg.n_q + tidx]
         # Release every thread's stores with one fence + atomic after the barrier (CUTLASS's
         # semaphore pattern); the fence after the atomic makes it an acquire for the last one.
         cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
@@ -450,30 +486,31 @@ class DecodeAttentionKernel:
         if flag[0] == live - 1:
             if tidx == 0:
                 mCount[t * cfg.kv_heads + kvh] = Int32(0)     # for the next launch
-            # Padding rows (>= group) read the last real row's partials (in bounds) and store
-            # nothing, so every thread runs the same code.
-            row0 = cutlass.min(tOcO[0][0], cfg.group - 1)
-            row1 = cutlass.min(tOcO[2][0], cfg.group - 1)
-            base0 = (head0 + row0) * cfg.splits
-            base1 = (head0 + row1) * cfg.splits
+            # O^T's element j holds query 2 (lane % 4) + j % 2 (wgmma's fragment: pairs of
+            # columns): two queries per thread, weights computed once per split for both.
+            # Padding queries (>= group) read the last real query's partials (in bounds) and
+            # store nothing, so every thread runs the same code.
+            base = [(head0 + cutlass.min(tOcO[e][1], cfg.group - 1)) * cfg.splits for e in range(2)]
             top0, top1 = -Float32.inf, -Float32.inf
-            for q in cutlass.range(live, unroll=1):
-                top0 = cute.arch.fmax(top0, self.ws_load(mWs, base0 + q))
-                top1 = cute.arch.fmax(top1, self.ws_load(mWs, base1 + q))
+            for k in cutlass.range(live, unroll=1):
+                top0 = cute.arch.fmax(top0, self.ws_load(mWs, base[0] + k))
+                top1 = cute.arch.fmax(top1, self.ws_load(mWs, base[1] + k))
             total0, total1 = Float32(0.0), Float32(0.0)
             acc_o.fill(0.0)
-            for q in cutlass.range(live, unroll=1):
-                w0 = exp2(self.ws_load(mWs, base0 + q) - top0)
-                w1 = exp2(self.ws_load(mWs, base1 + q) - top1)
-                total0 = total0 + w0 * self.ws_load(mWs, partials + base0 + q)
-                total1 = total1 + w1 * self.ws_load(mWs, partials + base1 + q)
-                w = [w0, w1]
-                base = [base0, base1]
+            for k in cutlass.range(live, unroll=1):
+                parts = [self.ws_load(mWs, 2 * partials + (base[j % 2] + k) * hd + tOcO[j][0])
+                         for j in range(cute.size(acc_o))]
+                w0 = exp2(self.ws_load(mWs, base[0] + k) - top0)
+                w1 = exp2(self.ws_load(mWs, base[1] + k) - top1)
+                total0 = total0 + w0 * self.ws_load(mWs, partials + base[0] + k)
+                total1 = total1 + w1 * self.ws_load(mWs, partials + base[1] + k)
                 for j in cutlass.range_constexpr(cute.size(acc_o)):
-                    c = tOcO[j][1]
-                    part = self.ws_load(mWs, 2 * partials + (base[(j // 2) % 2] + q) * hd + c)
-                    acc_o[j] = acc_o[j] + w[(j // 2) % 2] * part
-            self.store_out(mOut, acc_o, tOcO, t, kvh, total0, total1)
+                    acc_o[j] = acc_o[j] + (w0 if j % 2 == 0 else w1) * parts[j]
+            totals = [total0, total1]
+            for j in cutlass.range_constexpr(cute.size(acc_o)):
+                d, q = tOcO[j]
+                if q < cfg.group:
+                    mOut[t, (kvh * cfg.group + q) * hd + d] = (acc_o[j] / totals[j % 2]).to(BFloat16)
 
     @cute.jit
     def qkv_load(self, mQKV, t, col) -> BFloat16:
