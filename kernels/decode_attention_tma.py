@@ -67,7 +67,8 @@ WAITS = True
 TRIGGER = "early"
 
 TILE = 64                  # cache positions per pipeline stage (one wgmma N for S, K for P V)
-MMA_M = 64                 # wgmma rows: the query group, zero-padded
+MMA_M = 64                 # wgmma rows: positions in S^T, head_dim rows in O^T
+MAX_GROUP = 32             # query heads per KV head (wgmma N, in steps of 8; 8 per thread at most)
 CONSUMER_THREADS = 128     # one warpgroup
 PRODUCER_WARP = 4
 THREADS = CONSUMER_THREADS + 32
@@ -104,7 +105,7 @@ class AttentionConfig:
         self.splits = -(-max_context // self.chunk)
         self.qkv_cols = (heads + 2 * kv_heads) * head_dim
         self.tile_bytes = TILE * head_dim * 2
-        smem = 2 * stages * self.tile_bytes + MMA_M * head_dim * 2 + 4 * self.n_q * TILE * 2 + 2048
+        smem = 2 * stages * self.tile_bytes + self.n_q * head_dim * 2 + 4 * self.n_q * TILE * 2 + 3072
         if smem > SMEM_MAX:
             raise ValueError(f"stages={stages} at head_dim {head_dim} needs {smem} bytes of shared "
                              f"memory (at most {SMEM_MAX})")
@@ -125,8 +126,8 @@ def check_shape(heads: int, kv_heads: int, head_dim: int, max_context: int) -> N
     """Raise ValueError naming the rule a shape breaks."""
     if kv_heads <= 0 or heads % kv_heads:
         raise ValueError(f"heads={heads} must be a positive multiple of kv_heads={kv_heads}")
-    if heads // kv_heads > MMA_M:
-        raise ValueError(f"at most {MMA_M} query heads per KV head (wgmma rows), got {heads // kv_heads}")
+    if heads // kv_heads > MAX_GROUP:
+        raise ValueError(f"at most {MAX_GROUP} query heads per KV head, got {heads // kv_heads}")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} unsupported: one of {HEAD_DIMS}")
     if max_context % TILE or max_context <= 0:
@@ -166,18 +167,20 @@ class DecodeAttentionKernel:
                                   cute.make_layout(cfg.rows * cfg.kv_heads))
 
         k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
-        qk_tiler = (MMA_M, TILE, hd)
+        # S^T = K Q^T: A = the K tile (64 positions as wgmma's M, head_dim contiguous), B = Q^T
+        # (the query heads as N, head_dim contiguous); both from shared memory.
+        qk_tiler = (TILE, cfg.n_q, hd)
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
-            Float32, (1, 1, 1), tiler_mn=(MMA_M, TILE))
+            Float32, (1, 1, 1), tiler_mn=(TILE, cfg.n_q))
         # O^T = V^T P^T: A = V in its MN-major view (head_dim rows, contiguous), B = P^T (the
         # query heads, N = 8 for G = 8, positions contiguous) from shared memory.
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K,
             Float32, (1, 1, 1), tiler_mn=(MMA_M, cfg.n_q))
-        sQ_layout = sm90_utils.make_smem_layout_a(k_major, qk_tiler, BFloat16, 1)
-        # K and V tiles share one layout (positions x head_dim, K-major for S = Q K^T).
-        sKV_layout = sm90_utils.make_smem_layout_b(k_major, qk_tiler, BFloat16, cfg.stages)
+        sQ_layout = sm90_utils.make_smem_layout_b(k_major, qk_tiler, BFloat16, 1)
+        # K and V tiles share one layout (positions x head_dim, K-major: S^T's A operand).
+        sKV_layout = sm90_utils.make_smem_layout_a(k_major, qk_tiler, BFloat16, cfg.stages)
         # P^T buffers: (tile parity, hi / lo) -> 4 of (n_q x 64 positions).
         sP_layout = sm90_utils.make_smem_layout_b(k_major, (MMA_M, cfg.n_q, TILE), BFloat16, 4)
         tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(
@@ -189,8 +192,9 @@ class DecodeAttentionKernel:
             sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sKV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
-            alpha: cute.struct.MemRange[Float32, 2 * cfg.n_q]     # per tile parity: O's rescale
-            ml: cute.struct.MemRange[Float32, 2 * cfg.n_q]        # final max, sum per query
+            # Per tile parity and consumer warp: each query's max over the warp's positions.
+            warp_max: cute.struct.MemRange[Float32, 2 * 4 * cfg.n_q]
+            warp_sum: cute.struct.MemRange[Float32, 4 * cfg.n_q]     # the final sums, per warp
             full: cute.struct.MemRange[Int64, cfg.stages]
             empty: cute.struct.MemRange[Int64, cfg.stages]
             flag: cute.struct.MemRange[Int32, 4]
@@ -230,8 +234,8 @@ class DecodeAttentionKernel:
             sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            sAlpha = cute.make_tensor(storage.alpha.data_ptr(), cute.make_layout(2 * cfg.n_q))
-            sML = cute.make_tensor(storage.ml.data_ptr(), cute.make_layout(2 * cfg.n_q))
+            sMax = cute.make_tensor(storage.warp_max.data_ptr(), cute.make_layout((cfg.n_q, 4, 2)))
+            sSum = cute.make_tensor(storage.warp_sum.data_ptr(), cute.make_layout((cfg.n_q, 4)))
             if warp == PRODUCER_WARP:
                 cpasync.prefetch_descriptor(tma_kv)
                 with cute.arch.elect_one():
@@ -246,8 +250,8 @@ class DecodeAttentionKernel:
                 self.producer(tma_kv, mKV_tma, mKV, mQKV, mSlots, sK, sV, full, empty, t, kvh, L, start,
                               n_tiles, holds_new)
             elif warp < PRODUCER_WARP:
-                self.consumer(tiled_mma_qk, tiled_mma_pv, mQKV, mOut, mWs, mCount, sQ, sK, sV, sP, sAlpha,
-                              sML, full, empty, storage.flag.data_ptr(), t, kvh, split, live, start, end, n_tiles,
+                self.consumer(tiled_mma_qk, tiled_mma_pv, mQKV, mOut, mWs, mCount, sQ, sK, sV, sP, sMax,
+                              sSum, full, empty, storage.flag.data_ptr(), t, kvh, split, live, start, end, n_tiles,
                               tidx)
 
     # --------------------------------------------------------------------------------------------
@@ -304,49 +308,53 @@ class DecodeAttentionKernel:
 
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, tiled_mma_qk, tiled_mma_pv, mQKV, mOut, mWs, mCount, sQ, sK, sV, sP, sAlpha, sML,
+    def consumer(self, tiled_mma_qk, tiled_mma_pv, mQKV, mOut, mWs, mCount, sQ, sK, sV, sP, sMax, sSum,
                  full, empty, flag, t, kvh, split, live, start, end, n_tiles, tidx):
+        """Per tile: S^T = K Q^T, the softmax over the tile's positions (the warpgroup's rows,
+        one shared-memory exchange of per-warp maxima), P^T = hi + lo to shared memory, and
+        O^T = alpha O^T + V^T P^T. Thread layout of both accumulators (wgmma's fragment): row
+        16 w + lane / 4 + 8 i, column 2 (lane % 4) + e + 8 b for element e + 2 i + 4 b (+ 4 nb
+        per further 64-row block of O^T), so a thread's queries are the same in S^T and O^T:
+        u = e + 2 b indexes them (``qpt`` per thread)."""
         cfg = self.cfg
         hd = cfg.head_dim
         lane = cute.arch.lane_idx()
+        warp = tidx // 32
+        qpt = cfg.n_q // 4                    # queries per thread: 2 per block of 8
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
-        tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tSrK = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sK))
+        tSrQ = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ))
         # V^T as O^T's A operand: (head_dim, positions) over the same bytes as the loaded tile.
         sVt = cute.composition(sV, cute.make_ordered_layout((hd, TILE, cfg.stages), order=(1, 0, 2)))
         tOrVt = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sVt))
         tOrP = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sP))
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((MMA_M, TILE)))
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((hd, cfg.n_q)))    # (dim, query)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE, cfg.n_q)))   # (position, query)
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((hd, cfg.n_q)))     # (dim, query)
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
-        # Both products accumulate (S from zeros each tile; O across tiles).
+        m_run = cute.make_rmem_tensor(qpt, Float32)        # running max per query (log2 units)
+        l_run = cute.make_rmem_tensor(qpt, Float32)        # this thread's share of the sum
+        m_new = cute.make_rmem_tensor(qpt, Float32)
+        alpha = cute.make_rmem_tensor(qpt, Float32)
         tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
 
-        # Q: the group's heads in rows 0..G-1, zeros below (rows are independent in S, and
-        # only rows < G reach P). q comes from the predecessor.
+        # Q^T: the group's query heads as rows 0..G-1 of the B operand (zeros up to n_q). q
+        # comes from the predecessor: after the wait, through L2.
         cute.arch.griddepcontrol_wait()
         q_col = kvh * cfg.group * hd
-        for r in cutlass.range_constexpr(MMA_M):
+        for r in cutlass.range_constexpr(cfg.n_q):
             for c in cutlass.range_constexpr(0, hd, CONSUMER_THREADS):
                 if const_expr(r < cfg.group):
                     sQ[(r, c + tidx, 0)] = self.qkv_load(mQKV, t, q_col + r * hd + c + tidx)
                 else:
                     sQ[(r, c + tidx, 0)] = BFloat16(0.0)
-        if const_expr(cfg.n_q > cfg.group):
-            # P^T's padding queries stay zero (their O^T columns are never stored either).
-            for q in cutlass.range_constexpr(cfg.group, cfg.n_q):
-                for b in cutlass.range_constexpr(4):
-                    if tidx < TILE:
-                        sP[(q, tidx, b)] = BFloat16(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
 
-        # Running max (log2 units) and this thread's share of the running sum, per row half of S.
-        m0, m1 = -Float32.inf, -Float32.inf
-        l0, l1 = Float32(0.0), Float32(0.0)
+        m_run.fill(-Float32.inf)
+        l_run.fill(0.0)
         acc_o.fill(0.0)
         for i in cutlass.range(n_tiles, unroll=1):
             s = i % cfg.stages
@@ -354,27 +362,57 @@ class DecodeAttentionKernel:
             cute.arch.mbarrier_wait(full + s, (i // cfg.stages) % 2)
             valid = end - (start + i * TILE)       # positions of this tile that exist (>= 64: all)
             if valid < TILE:
-                # Zero V's rows past the last position (P is 0 there, but 0 x NaN is NaN).
+                # Zero V's rows past the last position (P is 0 there, but 0 x NaN is NaN);
+                # ordered before the P V wgmma by the fence and barrier below.
                 for r in cutlass.range(valid, TILE, unroll=1):
                     for c in cutlass.range_constexpr(0, hd, CONSUMER_THREADS):
                         sV[(r, c + tidx, s)] = BFloat16(0.0)
             acc_s.fill(0.0)
             warpgroup.fence()
-            for kk in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                cute.gemm(tiled_mma_qk, acc_s, tSrQ[(None, None, kk, 0)], tSrK[(None, None, kk, s)], acc_s)
+            for kk in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+                cute.gemm(tiled_mma_qk, acc_s, tSrK[(None, None, kk, s)], tSrQ[(None, None, kk, 0)], acc_s)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            m0, l0 = self.softmax_rows(acc_s, tScS, sP, sAlpha, valid, par, 0, m0, l0, lane)
-            m1, l1 = self.softmax_rows(acc_s, tScS, sP, sAlpha, valid, par, 1, m1, l1, lane)
-            # P^T, alpha (and V's zeroed rows) are generic-proxy writes: make them visible to
-            # the wgmma (async proxy) and to every warp of the group. The buffers alternate by
-            # tile parity, so a fast warp's next writes never meet a slow warp's reads.
+            # Scores in log2 units, masked past the last position; each query's max over this
+            # thread's two positions, then over the warp's 16 (lanes 4 apart share queries).
+            for j in cutlass.range_constexpr(cute.size(acc_s)):
+                x = acc_s[j] * cfg.scale_log2
+                if tScS[j][0] >= valid:
+                    x = -Float32.inf
+                acc_s[j] = x
+            for u in cutlass.range_constexpr(qpt):
+                j0 = (u % 2) + 4 * (u // 2)
+                top = cute.arch.fmax(acc_s[j0], acc_s[j0 + 2])
+                for offset in (4, 8, 16):
+                    top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset))
+                if lane < 4:
+                    sMax[(2 * lane + (u % 2) + 8 * (u // 2), warp, par)] = top
+            cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+            for u in cutlass.range_constexpr(qpt):
+                q = 2 * (lane % 4) + (u % 2) + 8 * (u // 2)
+                top = cute.arch.fmax(cute.arch.fmax(sMax[(q, 0, par)], sMax[(q, 1, par)]),
+                                     cute.arch.fmax(sMax[(q, 2, par)], sMax[(q, 3, par)]))
+                m_new[u] = cute.arch.fmax(m_run[u], top)
+                alpha[u] = exp2(m_run[u] - m_new[u])
+                m_run[u] = m_new[u]
+                l_run[u] = l_run[u] * alpha[u]
+            for j in cutlass.range_constexpr(cute.size(acc_s)):
+                u = (j % 2) + 2 * (j // 4)
+                p = exp2(acc_s[j] - m_new[u])
+                l_run[u] = l_run[u] + p
+                pos, q = tScS[j]
+                hi = p.to(BFloat16)
+                sP[(q, pos, 2 * par)] = hi
+                # p - hi is exact in fp32; its bf16 rounding keeps 16 bits of p in all
+                sP[(q, pos, 2 * par + 1)] = (p - hi.to(Float32)).to(BFloat16)
+            for j in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[j] = acc_o[j] * alpha[(j % 2) + 2 * ((j // 4) % (cfg.n_q // 8))]
+            # P^T (and V's zeroed rows) are generic-proxy writes: make them visible to the
+            # wgmma (async proxy) of every warp. P^T and the maxima alternate by tile parity,
+            # so a fast warp's next writes never meet a slow warp's reads.
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
-            for j in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[j] = acc_o[j] * sAlpha[par * cfg.n_q + tOcO[j][1]]
-
             warpgroup.fence()
             for b in cutlass.range_constexpr(2):      # p = hi + lo: two products
                 for kk in cutlass.range_constexpr(cute.size(tOrVt, mode=[2])):
@@ -385,95 +423,52 @@ class DecodeAttentionKernel:
             if lane == 0:
                 cute.arch.mbarrier_arrive(empty + s)
 
-        # Each query's max and sum (the sum reduced over its quad) to shared memory, for the
-        # threads that hold its O^T column.
-        l0 = self.quad_sum(l0)
-        l1 = self.quad_sum(l1)
-        if lane % 4 == 0:
-            self.put_row_stat(sML, tScS, 0, m0, l0)
-            self.put_row_stat(sML, tScS, 1, m1, l1)
+        # Each query's sum: over the warp's lanes, then over the four warps.
+        for u in cutlass.range_constexpr(qpt):
+            x = l_run[u]
+            for offset in (4, 8, 16):
+                x = x + cute.arch.shuffle_sync_bfly(x, offset)
+            if lane < 4:
+                sSum[(2 * lane + (u % 2) + 8 * (u // 2), warp)] = x
         cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+        for u in cutlass.range_constexpr(qpt):
+            q = 2 * (lane % 4) + (u % 2) + 8 * (u // 2)
+            l_run[u] = (sSum[(q, 0)] + sSum[(q, 1)]) + (sSum[(q, 2)] + sSum[(q, 3)])
         if live == 1:
-            self.store_out(mOut, acc_o, tOcO, t, kvh, sML)
+            self.store_out(mOut, acc_o, tOcO, t, kvh, l_run)
         else:
-            self.combine(mOut, mWs, mCount, flag, acc_o, tOcO, t, kvh, split, live, sML, tidx)
-
-    @cute.jit
-    def put_row_stat(self, sML, tScS, h: cutlass.Constexpr, m_row, l_row):
-        """Row half h's max and sum, if it is a real query (S's row = the query)."""
-        q = tScS[2 * h][0]
-        if q < self.cfg.group:
-            sML[q] = m_row
-            sML[self.cfg.n_q + q] = l_row
-
-    @cute.jit
-    def softmax_rows(self, acc_s, tScS, sP, sAlpha, valid, par, h: cutlass.Constexpr, m_run, l_run, lane):
-        """Online softmax of this thread's row half ``h`` of S (masked past ``valid``, in log2
-        units). Element j of a wgmma accumulator sits in row half (j // 2) % 2 (pairs of
-        columns, two rows 8 apart, then blocks of 8 columns); a quad of threads shares its
-        rows. Real rows (queries < G) write p = hi + lo into P^T (buffers 2 par, 2 par + 1)
-        and the rescale factor into sAlpha. Returns the new running max and this thread's
-        share of the running sum."""
-        cfg = self.cfg
-        top = -Float32.inf
-        for j in cutlass.range_constexpr(cute.size(acc_s)):
-            if const_expr((j // 2) % 2 == h):
-                x = acc_s[j] * cfg.scale_log2
-                if tScS[j][1] >= valid:
-                    x = -Float32.inf
-                acc_s[j] = x
-                top = cute.arch.fmax(top, x)
-        top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 1))
-        top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 2))
-        m_new = cute.arch.fmax(m_run, top)
-        alpha = exp2(m_run - m_new)
-        q = tScS[2 * h][0]
-        row_sum = Float32(0.0)
-        for j in cutlass.range_constexpr(cute.size(acc_s)):
-            if const_expr((j // 2) % 2 == h):
-                p = exp2(acc_s[j] - m_new)
-                row_sum = row_sum + p
-                if q < cfg.group:
-                    hi = p.to(BFloat16)
-                    k = tScS[j][1]
-                    sP[(q, k, 2 * par)] = hi
-                    # p - hi is exact in fp32; its bf16 rounding keeps 16 bits of p in all
-                    sP[(q, k, 2 * par + 1)] = (p - hi.to(Float32)).to(BFloat16)
-        if q < cfg.group:
-            if lane % 4 == 0:
-                sAlpha[par * cfg.n_q + q] = alpha
-        return m_new, l_run * alpha + row_sum
-
-    @cute.jit
-    def quad_sum(self, x: Float32) -> Float32:
-        x = x + cute.arch.shuffle_sync_bfly(x, 1)
-        return x + cute.arch.shuffle_sync_bfly(x, 2)
+            self.combine(mOut, mWs, mCount, flag, acc_o, tOcO, t, kvh, split, live, m_run, l_run, tidx, lane)
 
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def store_out(self, mOut, acc_o, tOcO, t, kvh, sML):
+    def store_out(self, mOut, acc_o, tOcO, t, kvh, l_q):
         """out = O / l in bf16 for the real queries (O^T's element j is (dim, query) tOcO[j])."""
         cfg = self.cfg
         for j in cutlass.range_constexpr(cute.size(acc_o)):
             d, q = tOcO[j]
             if q < cfg.group:
-                mOut[t, (kvh * cfg.group + q) * cfg.head_dim + d] = (acc_o[j] / sML[cfg.n_q + q]).to(BFloat16)
+                u = (j % 2) + 2 * ((j // 4) % (cfg.n_q // 8))
+                mOut[t, (kvh * cfg.group + q) * cfg.head_dim + d] = (acc_o[j] / l_q[u]).to(BFloat16)
 
     @cute.jit
-    def combine(self, mOut, mWs, mCount, flag, acc_o, tOcO, t, kvh, split, live, sML, tidx):
+    def combine(self, mOut, mWs, mCount, flag, acc_o, tOcO, t, kvh, split, live, m_q, l_q, tidx, lane):
         """Publish this split's partial; the last live split to arrive sums them in split order
         (so the bits do not depend on which split came last) and writes the output."""
         cfg = self.cfg
         hd = cfg.head_dim
+        qpt = cfg.n_q // 4
         partials = cfg.rows * cfg.heads * cfg.splits
         head0 = t * cfg.heads + kvh * cfg.group
         for j in cutlass.range_constexpr(cute.size(acc_o)):
             d, q = tOcO[j]
             if q < cfg.group:
                 mWs[2 * partials + ((head0 + q) * cfg.splits + split) * hd + d] = acc_o[j]
-        if tidx < cfg.group:
-            mWs[(head0 + tidx) * cfg.splits + split] = sML[tidx]
-            mWs[partials + (head0 + tidx) * cfg.splits + split] = sML[cfg.n_q + tidx]
+        if tidx < 4:      # warp 0's lanes 0..3 hold every query's max and sum once
+            for u in cutlass.range_constexpr(qpt):
+                q = 2 * lane + (u % 2) + 8 * (u // 2)
+                if q < cfg.group:
+                    mWs[(head0 + q) * cfg.splits + split] = m_q[u]
+                    mWs[partials + (head0 + q) * cfg.splits + split] = l_q[u]
         # Release every thread's stores with one fence + atomic after the barrier (CUTLASS's
         # semaphore pattern); the fence after the atomic makes it an acquire for the last one.
         cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
@@ -486,31 +481,30 @@ class DecodeAttentionKernel:
         if flag[0] == live - 1:
             if tidx == 0:
                 mCount[t * cfg.kv_heads + kvh] = Int32(0)     # for the next launch
-            # O^T's element j holds query 2 (lane % 4) + j % 2 (wgmma's fragment: pairs of
-            # columns): two queries per thread, weights computed once per split for both.
             # Padding queries (>= group) read the last real query's partials (in bounds) and
             # store nothing, so every thread runs the same code.
-            base = [(head0 + cutlass.min(tOcO[e][1], cfg.group - 1)) * cfg.splits for e in range(2)]
-            top0, top1 = -Float32.inf, -Float32.inf
+            base = cute.make_rmem_tensor(qpt, Int32)
+            top = cute.make_rmem_tensor(qpt, Float32)
+            total = cute.make_rmem_tensor(qpt, Float32)
+            w = cute.make_rmem_tensor(qpt, Float32)
+            for u in cutlass.range_constexpr(qpt):
+                q = 2 * (lane % 4) + (u % 2) + 8 * (u // 2)
+                base[u] = (head0 + cutlass.min(q, cfg.group - 1)) * cfg.splits
+            top.fill(-Float32.inf)
+            total.fill(0.0)
             for k in cutlass.range(live, unroll=1):
-                top0 = cute.arch.fmax(top0, self.ws_load(mWs, base[0] + k))
-                top1 = cute.arch.fmax(top1, self.ws_load(mWs, base[1] + k))
-            total0, total1 = Float32(0.0), Float32(0.0)
+                for u in cutlass.range_constexpr(qpt):
+                    top[u] = cute.arch.fmax(top[u], self.ws_load(mWs, base[u] + k))
             acc_o.fill(0.0)
             for k in cutlass.range(live, unroll=1):
-                parts = [self.ws_load(mWs, 2 * partials + (base[j % 2] + k) * hd + tOcO[j][0])
-                         for j in range(cute.size(acc_o))]
-                w0 = exp2(self.ws_load(mWs, base[0] + k) - top0)
-                w1 = exp2(self.ws_load(mWs, base[1] + k) - top1)
-                total0 = total0 + w0 * self.ws_load(mWs, partials + base[0] + k)
-                total1 = total1 + w1 * self.ws_load(mWs, partials + base[1] + k)
+                parts = [self.ws_load(mWs, 2 * partials + (base[(j % 2) + 2 * ((j // 4) % (cfg.n_q // 8))] + k) * hd
+                                      + tOcO[j][0]) for j in range(cute.size(acc_o))]
+                for u in cutlass.range_constexpr(qpt):
+                    w[u] = exp2(self.ws_load(mWs, base[u] + k) - top[u])
+                    total[u] = total[u] + w[u] * self.ws_load(mWs, partials + base[u] + k)
                 for j in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[j] = acc_o[j] + (w0 if j % 2 == 0 else w1) * parts[j]
-            totals = [total0, total1]
-            for j in cutlass.range_constexpr(cute.size(acc_o)):
-                d, q = tOcO[j]
-                if q < cfg.group:
-                    mOut[t, (kvh * cfg.group + q) * hd + d] = (acc_o[j] / totals[j % 2]).to(BFloat16)
+                    acc_o[j] = acc_o[j] + w[(j % 2) + 2 * ((j // 4) % (cfg.n_q // 8))] * parts[j]
+            self.store_out(mOut, acc_o, tOcO, t, kvh, total)
 
     @cute.jit
     def qkv_load(self, mQKV, t, col) -> BFloat16:
