@@ -73,9 +73,15 @@ CONSUMER_THREADS = 128     # one warpgroup
 PRODUCER_WARP = 4
 THREADS = CONSUMER_THREADS + 32
 HEAD_DIMS = (64, 128, 256)
-DEFAULT_STAGES = 2         # 2 x 32 KB + Q 16 KB: two CTAs per SM (and room for a PDL dependent)
 SMEM_MAX = 227 * 1024
 LOG2E = 1.4426950408889634
+
+
+def default_stages(rows: int) -> int:
+    """Pipeline stages (32 KB each): at 48+ rows one, so that all of 64 rows' 512 CTAs (~41 KB
+    of shared memory each) are resident at once; below, three (two CTAs per SM, each loading
+    ahead while it computes). Measured in one process, bench/decode_attention_notes.md v16."""
+    return 1 if rows >= 48 else 3
 
 
 def default_chunk(rows: int) -> int:
@@ -92,7 +98,7 @@ class AttentionConfig:
     """Static parameters of one compiled kernel."""
 
     def __init__(self, rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int,
-                 chunk: int, stages: int = DEFAULT_STAGES):
+                 chunk: int, stages: int):
         check_shape(heads, kv_heads, head_dim, max_context)
         if chunk % TILE or chunk <= 0:
             raise ValueError(f"chunk={chunk} must be a positive multiple of {TILE}")
@@ -551,11 +557,12 @@ def compile_cache() -> CompileCache:
 
 
 def compile_attention(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int, *,
-                      chunk: int | None = None, stages: int = DEFAULT_STAGES, options: str | None = None):
+                      chunk: int | None = None, stages: int | None = None, options: str | None = None):
     """The compiled kernel for one static configuration (from the compile cache unless
     ``options`` are given, e.g. ``--keep-ptx --dump-dir D``). Works without a GPU when
     ``CUTE_DSL_ARCH=sm_90a``."""
-    cfg = AttentionConfig(rows, heads, kv_heads, head_dim, max_context, chunk or default_chunk(rows), stages)
+    cfg = AttentionConfig(rows, heads, kv_heads, head_dim, max_context, chunk or default_chunk(rows),
+                          stages or default_stages(rows))
     if options:
         return _build(*cfg.key(), options=options)
     return _CACHE.get(cfg.key())
@@ -614,7 +621,7 @@ def validate(qkv, kv, seq_lens, cache_slots, out, heads: int, kv_heads: int, hea
 
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int, head_dim: int,
-                     chunk: int | None = None, stages: int = DEFAULT_STAGES, stream=None,
+                     chunk: int | None = None, stages: int | None = None, stream=None,
                      use_pdl: bool = True) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]`` (graphc.ops.attention's contract, contiguous tensors only).
@@ -624,7 +631,8 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
 
     validate(qkv, kv, seq_lens, cache_slots, out, heads, kv_heads, head_dim)
     T = qkv.shape[0]
-    cfg = AttentionConfig(T, heads, kv_heads, head_dim, kv.shape[3], chunk or default_chunk(T), stages)
+    cfg = AttentionConfig(T, heads, kv_heads, head_dim, kv.shape[3], chunk or default_chunk(T),
+                          stages or default_stages(T))
     fn = _CACHE.get(cfg.key())
     partials, counters = _workspace(cfg, qkv.device)
     if stream is None:

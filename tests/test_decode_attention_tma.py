@@ -39,9 +39,10 @@ def test_bad_shapes_are_refused(kwargs, rule):
 
 
 def test_splits_cover_the_context():
-    assert AttentionConfig(8, H, KV, HD, C, 256).splits == 8
-    assert AttentionConfig(8, H, KV, HD, C, 4096).chunk == C          # never longer than the cache
-    assert AttentionConfig(8, H, KV, HD, 1088, 1024).splits == 2
+    assert AttentionConfig(8, H, KV, HD, C, 256, 3).splits == 8
+    assert AttentionConfig(8, H, KV, HD, C, 4096, 3).chunk == C       # never longer than the cache
+    assert AttentionConfig(8, H, KV, HD, 1088, 1024, 3).splits == 2
+    assert (tma.default_stages(64), tma.default_stages(32)) == (1, 3)
 
 
 def test_validate_names_the_problem():
@@ -62,7 +63,7 @@ def test_validate_names_the_problem():
 _PTX: dict[tuple, str] = {}
 
 
-def ptx_of(rows: int, chunk: int, stages: int = tma.DEFAULT_STAGES) -> str:
+def ptx_of(rows: int, chunk: int, stages: int = 3) -> str:
     key = (rows, chunk, stages)
     if key not in _PTX:
         with tempfile.TemporaryDirectory() as d:
@@ -155,7 +156,7 @@ def test_other_query_groups(heads, kv_heads):
     (3, 700, None, 3),
     (8, 2000, None, 3),
     (32, 1100, None, 3),      # two splits for the long rows, one for the short
-    (64, 1030, None, 3),
+    (64, 1030, None, None),   # the 64-row default: one stage
     (5, 900, 128, 2),         # stages < tiles in flight
     (4, 1500, 2048, 4),       # one split: no combine
     (2, 1900, 64, 1),         # 30 splits, one stage
