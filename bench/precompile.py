@@ -1,4 +1,5 @@
-"""Compile the decode-GEMM variants that the GPU tests and benchmarks use, on a machine without
+"""Compile the decode-GEMM variants that the GPU tests and benchmarks use, and the CuTe DSL
+attention of the shipped specs at the batch sizes where it is the default, on a machine without
 a GPU, into the disk compile cache (kernels/compile_cache.py), so that the GPU machine loads
 them instead of spending its time in the compiler.
 
@@ -31,6 +32,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 H200_SMS = 132
 STEP_BATCH_SIZES = (1, 2, 3, 4, 5, 8, 16)  # step tests, `graphc bench`, `graphc build` at <= 16 rows
+ATTENTION_BATCH_SIZES = (24, 32, 64, 128)  # the TMA attention is the default from 17 rows
 
 
 def spec_linear_shapes() -> set[tuple]:
@@ -88,11 +90,35 @@ def gemm_configs(extra_tunings=(), extra_ms=()) -> list[tuple]:
     return keys
 
 
-def _compile(key: tuple) -> float:
-    from graphc.kernels import gemm
+def attention_configs() -> list[tuple]:
+    """Keys of the TMA attention (default tiling) for every attention op of the shipped specs
+    it supports, at ATTENTION_BATCH_SIZES."""
+    import glob
 
+    from graphc.graph import build_graph
+    from graphc.kernels.decode_attention_tma import AttentionConfig, default_chunk, default_stages
+    from graphc.ops.attention import DecodeAttentionOp, tma_supports
+    from graphc.spec import load_spec
+
+    keys = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "layer_specs", "*.yaml"))):
+        for _, op in build_graph(load_spec(path)).nodes(data="op"):
+            if not isinstance(op, DecodeAttentionOp) or not tma_supports(**op.params()):
+                continue
+            for rows in ATTENTION_BATCH_SIZES:
+                key = AttentionConfig(rows, op.heads, op.kv_heads, op.head_dim, op.max_context,
+                                      default_chunk(rows), default_stages(rows)).key()
+                if key not in keys:
+                    keys.append(key)
+    return keys
+
+
+def _compile(job: tuple) -> float:
+    from graphc.kernels import decode_attention_tma, gemm
+
+    kind, key = job
     t0 = time.perf_counter()
-    gemm.compile_cache().get(key)
+    (gemm if kind == "gemm" else decode_attention_tma).compile_cache().get(key)
     return time.perf_counter() - t0
 
 
@@ -104,12 +130,14 @@ def main() -> None:
     args = ap.parse_args()
     from gemm import parse_tunings                   # bench/gemm.py
 
-    keys = gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m])
-    print(f"{len(keys)} decode-GEMM variants -> {os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
+    gemm_keys = gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m])
+    jobs = [("gemm", k) for k in gemm_keys] + [("attention", k) for k in attention_configs()]
+    print(f"{len(gemm_keys)} decode-GEMM and {len(jobs) - len(gemm_keys)} attention variants -> "
+          f"{os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool:
-        for i, (key, secs) in enumerate(zip(keys, pool.map(_compile, keys)), 1):
-            print(f"[{i:3d}/{len(keys)}] {secs:5.1f} s  {key}", flush=True)
+        for i, (job, secs) in enumerate(zip(jobs, pool.map(_compile, jobs)), 1):
+            print(f"[{i:3d}/{len(jobs)}] {secs:5.1f} s  {job[0]} {job[1]}", flush=True)
     print(f"done in {time.perf_counter() - t0:.0f} s")
 
 

@@ -1,12 +1,12 @@
 """Split-KV GQA decode attention for Hopper (sm_90a) in CuTe DSL: a TMA producer warp keeps the
-KV cache streaming while a wgmma warpgroup does the math. bench/decode_attention_notes.md v14.
+KV cache streaming while a wgmma warpgroup does the math. bench/decode_attention_notes.md v14-v16.
 
-Why a second attention kernel: the Triton kernel (``decode_attention.py``) streams the cache
-through cp.async pointer loads with the math in the same warps; at 32-64 rows it runs 1.14-1.25x
-its HBM floor alone (notes v12-v13), and it can only be entered through a full edge. Here the
-loads are decoupled from the math, and the cached K/V (written by earlier steps, never by this
-step's predecessors) are loaded *before* ``griddepcontrol.wait``, so under PDL the cache starts
-streaming during the qkv GEMM's tail.
+Why a second attention kernel: the Triton kernel (``decode_attention.py``) can only be entered
+through a full edge (v7: its PDL wait made the step slower). Here the loads are decoupled from
+the math, and the cached K/V (written by earlier steps, never by this step's predecessors) are
+loaded *before* ``griddepcontrol.wait``, so under PDL the cache starts streaming during the qkv
+GEMM's tail. Alone it runs as fast as the Triton kernel at 32-64 rows; inside the step it is
+19-57 us faster there, and slower below 17 rows (graphc.ops.attention.TMA_MIN_BATCH).
 
 Work and math
 -------------
@@ -15,11 +15,15 @@ Work and math
 * A *tile* is 64 positions: one TMA box of K and one of V (64 x head_dim, 128-byte swizzle)
   per pipeline stage, completing on the stage's mbarrier. The producer warp fills ``stages``
   stages; the consumer warpgroup frees them.
-* S = Q K^T with wgmma (M = 64: the G query heads of the group padded with zero rows, N = 64
-  positions, K = head_dim); an online softmax on the accumulator fragments in log2 units; O +=
-  P V with P from registers (wgmma RS) split into two bf16 terms p = hi + lo, as the Triton
-  kernel does: 16 bits of p's mantissa, so only the fp32 summation order differs from the
-  reference. V is the B operand in its MN-major view (the same shared-memory tile as loaded).
+* The query heads are wgmma's N (8 for G = 8; N is allowed in steps of 8), so no tensor-core
+  work is spent on padding rows: S^T = K Q^T (M = the tile's 64 positions, K = head_dim; Q^T
+  in shared memory), then O^T = V^T P^T (M = head_dim in 64-row blocks, K = the positions; V^T
+  is the loaded tile in its MN-major view). Each query's softmax runs over the tile's
+  positions, which are the warpgroup's rows: a max over the thread's two rows, the warp's
+  lanes, then the four warps (one shared-memory exchange per tile); running max and sum per
+  query, in log2 units. p is split into two bf16 terms p = hi + lo written to P^T in shared
+  memory, and O^T accumulates both products: 16 bits of p's mantissa, so only the fp32
+  summation order differs from the reference (as the Triton kernel).
 * The new token: the CTA whose split holds position L (= seq_lens[t]) first copies k, v from
   qkv into the cache at L (generic stores; after the wait, qkv is the predecessor's output),
   fences them to the async proxy, and only then loads the tile holding L by TMA; the cache
@@ -66,7 +70,7 @@ PROLOGUE_INPUTS = ("kv", "seq_lens", "cache_slots")
 WAITS = True
 TRIGGER = "early"
 
-TILE = 64                  # cache positions per pipeline stage (one wgmma N for S, K for P V)
+TILE = 64                  # cache positions per pipeline stage (wgmma M of S^T, K of O^T)
 MMA_M = 64                 # wgmma rows: positions in S^T, head_dim rows in O^T
 MAX_GROUP = 32             # query heads per KV head (wgmma N, in steps of 8; 8 per thread at most)
 CONSUMER_THREADS = 128     # one warpgroup

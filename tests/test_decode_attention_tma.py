@@ -215,3 +215,20 @@ def test_pdl_race_with_slow_producer(T):
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), (
             f"replay {i}: attention read qkv before its producer finished")
         assert torch.equal(kv, want_kv), f"replay {i}: the cache got a poisoned append"
+
+
+def test_precompile_lists_the_step_variants():
+    """bench/precompile.py compiles the TMA attention of every shipped spec at the batch sizes
+    where it is the step's default (it is the default from TMA_MIN_BATCH rows)."""
+    import os
+    import sys
+
+    from graphc.ops.attention import TMA_MIN_BATCH
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import precompile
+
+    keys = precompile.attention_configs()
+    assert min(precompile.ATTENTION_BATCH_SIZES) >= TMA_MIN_BATCH
+    assert (32, H, KV, HD, C, 1024, 3) in keys and (64, H, KV, HD, C, 1024, 1) in keys
+    assert all(AttentionConfig(*k).key() == k for k in keys)

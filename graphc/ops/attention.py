@@ -52,10 +52,10 @@ def _tma_available() -> bool:
             and importlib.util.find_spec("graphc.kernels.decode_attention_tma") is not None)
 
 
-# From this captured batch size up the TMA kernel is the default (measured in the 8-layer step,
-# one process, bench/decode_attention_notes.md v14): batch 32 2876 us against 2926 with the
-# Triton kernel, batch 64 3272 against 3267 (equal); below, the Triton kernel's shorter latency
-# wins (batch 1 2612 against 2565, batch 8 2645 against 2635).
+# From this captured batch size up the TMA kernel is the default. Measured in the 8-layer step,
+# A/B in one process (bench/decode_attention_notes.md v16): batch 24 2871 us against 2914 with
+# the Triton kernel, 32 2939 against 2996, 64 3342 against 3362; below, the Triton kernel's
+# shorter latency wins (batch 16 2817 against 2782; v14: batch 1 and 8 +47 / +10 us).
 TMA_MIN_BATCH = 17
 
 
