@@ -292,13 +292,14 @@ class DecodeAttentionKernel:
         if holds_new:
             # Append the new k, v at position L, then order those generic-proxy stores before
             # the TMA (async proxy) load of the tile that holds them.
-            row_k = (slot * 2 * cfg.kv_heads + kvh) * cfg.max_context + L
+            # Element offsets in 64 bits: a cache of 513 slots at Kimi's shape has 2^31 elements.
+            row_k = Int64((slot * 2 * cfg.kv_heads + kvh) * cfg.max_context + L)
             row_v = row_k + cfg.kv_heads * cfg.max_context
             k_col = (cfg.heads + kvh) * hd
             v_col = (cfg.heads + cfg.kv_heads + kvh) * hd
             for c in cutlass.range_constexpr(0, hd, 32):
-                mKV[row_k, c + lane] = self.qkv_load(mQKV, t, k_col + c + lane)
-                mKV[row_v, c + lane] = self.qkv_load(mQKV, t, v_col + c + lane)
+                self.cache_store(mKV, row_k * hd + c + lane, self.qkv_load(mQKV, t, k_col + c + lane))
+                self.cache_store(mKV, row_v * hd + c + lane, self.qkv_load(mQKV, t, v_col + c + lane))
             cute.arch.fence_proxy("async.global")
             cute.arch.sync_warp()
 
@@ -307,6 +308,11 @@ class DecodeAttentionKernel:
             if i >= cfg.stages:
                 cute.arch.mbarrier_wait(empty + s, ((i // cfg.stages) % 2) ^ 1)
             self.load_tile(tma_kv, tKgKV, tKsK, tVsV, k_block + i, v_block + i, s, full + s)
+
+    @cute.jit
+    def cache_store(self, mKV, offset: Int64, value: BFloat16):
+        """One cache element at a 64-bit element offset."""
+        cute.make_tensor(mKV.iterator + offset, cute.make_layout(1))[0] = value
 
     @cute.jit
     def load_tile(self, tma_kv, tKgKV, tKsK, tVsV, k_block, v_block, stage, bar):
