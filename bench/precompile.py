@@ -32,7 +32,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 H200_SMS = 132
 STEP_BATCH_SIZES = (1, 2, 3, 4, 5, 8, 16)  # step tests, `graphc bench`, `graphc build` at <= 16 rows
-ATTENTION_BATCH_SIZES = (24, 32, 64, 128)  # the TMA attention is the default from 17 rows
+ATTENTION_BATCH_SIZES = (4, 5, 8, 16, 24, 32, 64, 128)  # the TMA attention's default from 4 rows
 
 
 def spec_linear_shapes() -> set[tuple]:

@@ -5,8 +5,8 @@ Why a second attention kernel: the Triton kernel (``decode_attention.py``) can o
 through a full edge (v7: its PDL wait made the step slower). Here the loads are decoupled from
 the math, and the cached K/V (written by earlier steps, never by this step's predecessors) are
 loaded *before* ``griddepcontrol.wait``, so under PDL the cache starts streaming during the qkv
-GEMM's tail. Alone it runs as fast as the Triton kernel at 32-64 rows; inside the step it is
-19-57 us faster there, and slower below 17 rows (graphc.ops.attention.TMA_MIN_BATCH).
+GEMM's tail. Alone it runs about as fast as the Triton kernel at 32-64 rows; inside the step it
+is 15-57 us faster from 4 rows up (graphc.ops.attention.TMA_MIN_BATCH).
 
 Work and math
 -------------
@@ -90,12 +90,9 @@ def default_stages(rows: int) -> int:
 
 def default_chunk(rows: int) -> int:
     """Cache positions per CTA: few rows want more CTAs in flight, many rows long chunks (one
-    split per row at context <= chunk: no combine). Tuned in bench/decode_attention_notes.md v14."""
-    if rows <= 2:
-        return 128
-    if rows <= 16:
-        return 256
-    return 1024
+    split per row at context <= chunk: no combine). Measured inside the step, one process
+    (bench/decode_attention_notes.md v16): 256 best at 1, 4 and 8 rows, 1024 at 16."""
+    return 256 if rows <= 12 else 1024
 
 
 class AttentionConfig:

@@ -53,10 +53,10 @@ def _tma_available() -> bool:
 
 
 # From this captured batch size up the TMA kernel is the default. Measured in the 8-layer step,
-# A/B in one process (bench/decode_attention_notes.md v16): batch 24 2871 us against 2914 with
-# the Triton kernel, 32 2939 against 2996, 64 3342 against 3362; below, the Triton kernel's
-# shorter latency wins (batch 16 2817 against 2782; v14: batch 1 and 8 +47 / +10 us).
-TMA_MIN_BATCH = 17
+# A/B in one process against the Triton kernel (bench/decode_attention_notes.md v16): batch 4
+# 2712 us against 2737, 8 2680 / 2695, 16 2747 / 2781, 24 2871 / 2914, 32 2939 / 2996, 64 3342 /
+# 3362; at batch 1 2693 against 2686 (a tie; 2 and 3 not measured, so Triton stays there).
+TMA_MIN_BATCH = 4
 
 
 def tma_supports(heads: int, kv_heads: int, head_dim: int, max_context: int) -> bool:
