@@ -1,6 +1,6 @@
-"""Compile the decode-GEMM variants that the GPU tests and benchmarks use, and the CuTe DSL
-attention of the shipped specs at the batch sizes where it is the default, on a machine without
-a GPU, into the disk compile cache (kernels/compile_cache.py), so that the GPU machine loads
+"""Compile the decode-GEMM variants that the GPU tests and benchmarks use, the AttnRes variants
+of the shipped specs, and their CuTe DSL attention at the batch sizes where it is the default,
+on a machine without a GPU, into the disk compile cache (kernels/compile_cache.py), so that the GPU machine loads
 them instead of spending its time in the compiler.
 
     CUTE_DSL_ARCH=sm_90a GRAPHC_CACHE_DIR=.kcache python3 bench/precompile.py
@@ -113,12 +113,36 @@ def attention_configs() -> list[tuple]:
     return keys
 
 
+def attn_res_configs() -> list[tuple]:
+    """Keys of every AttnRes call of the shipped specs (the kernel does not depend on the batch
+    size)."""
+    import glob
+
+    from graphc.graph import build_graph
+    from graphc.kernels.attn_res import static_key
+    from graphc.ops.attn_res import AttnResOp
+    from graphc.spec import load_spec
+
+    keys = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "layer_specs", "*.yaml"))):
+        for _, op in build_graph(load_spec(path)).nodes(data="op"):
+            if isinstance(op, AttnResOp):
+                try:
+                    key = static_key(op.hidden, op.nb, op.has_delta, op.final)
+                except ValueError:
+                    continue                         # a hidden size the kernel refuses
+                if key not in keys:
+                    keys.append(key)
+    return keys
+
+
 def _compile(job: tuple) -> float:
-    from graphc.kernels import decode_attention_tma, gemm
+    from graphc.kernels import attn_res, decode_attention_tma, gemm
 
     kind, key = job
+    module = {"gemm": gemm, "attn_res": attn_res, "attention": decode_attention_tma}[kind]
     t0 = time.perf_counter()
-    (gemm if kind == "gemm" else decode_attention_tma).compile_cache().get(key)
+    module.compile_cache().get(key)
     return time.perf_counter() - t0
 
 
@@ -131,9 +155,11 @@ def main() -> None:
     from gemm import parse_tunings                   # bench/gemm.py
 
     gemm_keys = gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m])
-    jobs = [("gemm", k) for k in gemm_keys] + [("attention", k) for k in attention_configs()]
-    print(f"{len(gemm_keys)} decode-GEMM and {len(jobs) - len(gemm_keys)} attention variants -> "
-          f"{os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
+    jobs = ([("gemm", k) for k in gemm_keys] + [("attn_res", k) for k in attn_res_configs()]
+            + [("attention", k) for k in attention_configs()])
+    counts = {kind: sum(j[0] == kind for j in jobs) for kind in ("gemm", "attn_res", "attention")}
+    print(f"{counts['gemm']} decode-GEMM, {counts['attn_res']} AttnRes and {counts['attention']} attention "
+          f"variants -> {os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool:
         for i, (job, secs) in enumerate(zip(jobs, pool.map(_compile, jobs)), 1):

@@ -310,3 +310,23 @@ def test_gpu_case_helpers_nb0_final_cpu():
     out = attn_res_reference(case["delta"], case["prefix"].clone(), case["blocks"].clone(), case["key_norm"],
                              case["query"], case["out_norm"], **case["kwargs"])
     gpu_cases.compare_bf16("output", out, expected["output"])
+
+
+def test_precompile_lists_every_attn_res_call_of_the_shipped_specs():
+    """bench/precompile.py compiles each AttnRes variant a shipped spec's step calls (so a GPU
+    machine given its cache compiles none of them)."""
+    from graphc.graph import build_graph
+    from graphc.kernels.attn_res import static_key
+    from graphc.ops.attn_res import AttnResOp
+    from graphc.spec import load_spec
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import precompile
+
+    keys = precompile.attn_res_configs()
+    graph = build_graph(load_spec(os.path.join(os.path.dirname(__file__), "..", "layer_specs",
+                                               "kimi_k3_dense_8l.yaml")))
+    calls = {static_key(op.hidden, op.nb, op.has_delta, op.final)
+             for _, op in graph.nodes(data="op") if isinstance(op, AttnResOp)}
+    assert calls and calls <= set(keys)
+    assert len(keys) == len(set(keys))
