@@ -76,7 +76,7 @@ MAX_GROUP = 32             # query heads per KV head (wgmma N, in steps of 8; 8 
 CONSUMER_THREADS = 128     # one warpgroup
 PRODUCER_WARP = 4
 THREADS = CONSUMER_THREADS + 32
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (128, 256)     # whole multiples of the warpgroup: each thread owns columns tidx + 128 k
 SMEM_MAX = 227 * 1024
 LOG2E = 1.4426950408889634
 

@@ -27,6 +27,7 @@ H, KV, HD, C = 64, 8, 128, 2048
     (dict(heads=60, kv_heads=8), "multiple of kv_heads"),
     (dict(heads=128, kv_heads=2), "at most 32 query heads"),
     (dict(head_dim=96), "head_dim=96 unsupported"),
+    (dict(head_dim=64), "head_dim=64 unsupported"),      # the consumer's column loops own 128
     (dict(max_context=1000), "max_context=1000 must be a positive multiple of 64"),
     (dict(chunk=100), "chunk=100 must be a positive multiple of 64"),
     (dict(stages=9), "stages=9"),

@@ -198,6 +198,7 @@ def test_attention_default_follows_the_batch_size(tiny):
     from graphc.ops.attention import TMA_MIN_BATCH, tma_supports
 
     assert tma_supports(64, 8, 128, 2048) and not tma_supports(64, 8, 96, 2048)
+    assert not tma_supports(64, 8, 64, 2048)
     assert not tma_supports(64, 8, 128, 1000) and not tma_supports(128, 2, 128, 2048)
     assert tma_supports(128, 4, 128, 2048)      # 32 query heads per KV head: the kernel's limit
     small = build_schedule(tiny, GEMM, batch=TMA_MIN_BATCH - 1).kernel("L01.attn.attention")

@@ -62,7 +62,7 @@ TMA_MIN_BATCH = 4
 def tma_supports(heads: int, kv_heads: int, head_dim: int, max_context: int) -> bool:
     """The shapes kernels/decode_attention_tma.check_shape accepts (mirrored without cutlass)."""
     return (kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= 32
-            and head_dim in (64, 128, 256) and max_context % 64 == 0 and max_context > 0)
+            and head_dim in (128, 256) and max_context % 64 == 0 and max_context > 0)
 
 
 def _triton_available() -> bool:
