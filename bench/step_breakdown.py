@@ -94,9 +94,13 @@ def replay_kernel_events(step, batch: int, replays: int = 10) -> tuple[list[dict
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    with tempfile.TemporaryDirectory() as d:
+        # Read the trace back by name: the exporter may replace the file rather than write
+        # into it, so a handle opened before the export can see an empty file.
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
     return events, [k.node for k in step.plan.kernels_of(step.schedules[batch])]
 
 

@@ -860,6 +860,23 @@ class DecodeGemmKernel:
                 self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
             self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid,
                             last_tile)
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)   # every partial read
+            self.discard_partials(mWs, c_lo, c_hi, cta, tile, wg, wg_tid)
+
+    @cute.jit
+    def discard_partials(self, mWs, c_lo, c_hi, cta, tile, wg, wg_tid):
+        """Drop the other contributors' partials (read by now) from L2 without writing them
+        back: dirty workspace lines would otherwise be written to HBM when something evicts
+        them, i.e. during the next kernels' streams (M x 128 x 4 bytes per split, ~4 MB per
+        call at M = 64). The next launch writes a slot before anyone reads it."""
+        cfg = self.cfg
+        consumers = 128 * cfg.wgs
+        lines = cfg.slot_bytes // 128
+        for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
+            if c != cta:
+                base = mWs.iterator + self.slot_of(c, tile) * cfg.slot_floats
+                for line in cutlass.range(wg * 128 + wg_tid, lines, consumers, unroll=1):
+                    discard_l2(base + line * 32)
 
     @cute.jit
     def staged_slot(self, c: Int32, c_lo: Int32, cta: Int32) -> Int32:
@@ -945,6 +962,20 @@ class DecodeGemmKernel:
                                     vector.extract(part, dynamic_position=[], static_position=[e]))
             # Everyone has read this round's buffers before the next round overwrites them.
             cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+
+
+def discard_l2(line) -> None:
+    """``discard.global.L2``: invalidate the 128-byte L2 line at global ``line`` (128-byte
+    aligned) without writing it back; its contents become undefined."""
+    llvm.inline_asm(
+        None,
+        [line.toint().ir_value()],
+        "discard.global.L2 [$0], 128;",
+        "l,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 def bulk_copy_g2s(dst, src, nbytes, bar) -> None:

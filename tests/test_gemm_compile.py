@@ -283,6 +283,8 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     first_tma = ptx.index("cp.async.bulk.tensor")
     assert trigger < first_tma < wait
     prologue = ptx[:wait]
+    # Summed partials leave L2 without a write-back (discard_partials), after the wait.
+    assert "discard.global.L2" in ptx[wait:] and "discard." not in prologue
     # The L2 prefetch of the next W tiles (weight traffic, so it belongs before the wait): one
     # instruction per 64 x 64 W box of an iteration, all of them in the prologue.
     prefetches = [i for i, line in enumerate(ptx.splitlines()) if "cp.async.bulk.prefetch.tensor.2d.L2" in line]
