@@ -31,7 +31,9 @@ Structure
   others' partials fit in its drained pipeline buffers, it bulk-copies them there
   (``cp.async.bulk``, all in flight at once) and sums from shared memory; when they do not
   fit (M = 256: 128 KB each) and the reducer comes first in CTA order (in practice always),
-  it stages them in rounds and sums into its own accumulators.
+  it stages them in rounds and sums into its own accumulators. Once summed, the partials are
+  dropped from L2 (``discard.global.L2``): left dirty there, they were written back to HBM
+  while the next kernels streamed (bench/gemm_notes.md §15).
 * **Epilogue** (``y_staging``, from 64 batch columns): the bf16 output tile goes through shared
   memory, the stage the tile's last k-block used (held until the stores are done; where the
   tile does not fit there, M > 128 or a 64-row half per warpgroup, the drained pipeline of

@@ -87,7 +87,9 @@ DECODE_GEMM_MAX_BATCH = 16
 # gate_up and down at 128 rows +80 us though faster alone; gate_up and down at 64 rows save
 # 110 us against cuBLAS (bench/step_notes.md). Again on the session-6 kernel, one process:
 # qkv on the decode GEMM at 64 rows +36 us, o_proj +32, both +48; a smaller prologue does not
-# change it.
+# change it. Since the decode GEMM drops its summed partials from L2 (session 9,
+# bench/gemm_notes.md §15) both at 64 rows tie with cuBLAS in the step (3210-3216 against
+# 3215-3222 us), so the crossover stays.
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 64,
     (18432, 7168, None): 64,
