@@ -90,3 +90,23 @@ def test_step_breakdown_timeline_is_a_viz_profile():
     assert rows[2]["duration_us"] == pytest.approx(6.0)
     html = schedule_html(schedule, profile)
     assert "first start to last end" in html
+
+
+def test_attention_timeline_compiles_and_summarises():
+    """bench/attention_timeline.py: its instrumented kernels (the shipped consumer between two
+    timer reads, and a consumer that only frees each tile) still compile against the kernel,
+    it refuses a chunk that would need the split workspace its timer words borrow, and its
+    summary reads the words right."""
+    import torch
+
+    timeline = _load("attention_timeline")
+    with pytest.raises(SystemExit, match="chunk=512"):
+        timeline.config(8, 512, 3)
+    assert set(timeline.compile_variants(timeline.config(8, 1024, 3))) == {"kernel", "stream_only"}
+    # (start ns, end ns, SM): two CTAs on SM 0, one on SM 5.
+    words = torch.tensor([[1000, 11000, 0], [2000, 13000, 0], [3000, 9000, 5]])
+    text = timeline.summary(words, "x").splitlines()
+    assert text[0] == "x: 3 CTAs, 1-2 per SM"
+    assert "start 0.0 0.2 1.0 1.8 2.0 | end 8.0 8.4 10.0 11.6 12.0 | duration 6.0 6.8 10.0 10.8 11.0" in text[1]
+    assert text[2] == "   on SMs with 1 CTAs: 1 CTAs, end median 8.0 max 8.0, duration median 6.0"
+    assert text[3] == "   on SMs with 2 CTAs: 2 CTAs, end median 10.0 max 12.0, duration median 10.0"
