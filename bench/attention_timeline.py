@@ -7,8 +7,9 @@ bench/decode_attention_notes.md, session 9.
     source .gpu/setup.sh && python3 bench/attention_timeline.py 32:1024:3 64:1024:1
 
 Each argument is ``rows:chunk:stages``; every row holds 1023 cached tokens and appends one,
-so with ``chunk`` >= 1024 each (row, KV head) is one CTA and the kernel's split workspace is
-unused: the timer words go there (three int32 per CTA: start, end, SM). The instrumented
+so with ``chunk`` >= 1024 each (row, KV head) is one live CTA and the kernel's split workspace
+is unused: the timer words go there (three int32 per CTA: start, end, SM). The grid's further
+splits (the cache holds 2048 positions) exit at once and write nothing; they are left out. The instrumented
 kernels are subclasses compiled here (not cached), so the shipped kernel carries nothing.
 """
 
@@ -95,9 +96,11 @@ def compile_variants(cfg) -> dict:
 
 
 def summary(words, label: str) -> str:
-    """Start / end / duration quantiles (µs from the first start) and ends per SM load."""
+    """Start / end / duration quantiles (µs from the first start) and ends per SM load, over
+    the CTAs that wrote their words (splits past a row's last position exit without)."""
     import torch
 
+    words = words[words[:, 1] != 0]
     start, end, sm = words[:, 0], words[:, 1], words[:, 2]
     t0 = (start - start.min()) % (1 << 32)               # globaltimer_lo wraps every 4.3 s
     t1 = (end - start.min()) % (1 << 32)

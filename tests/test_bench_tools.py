@@ -103,8 +103,8 @@ def test_attention_timeline_compiles_and_summarises():
     with pytest.raises(SystemExit, match="chunk=512"):
         timeline.config(8, 512, 3)
     assert set(timeline.compile_variants(timeline.config(8, 1024, 3))) == {"kernel", "stream_only"}
-    # (start ns, end ns, SM): two CTAs on SM 0, one on SM 5.
-    words = torch.tensor([[1000, 11000, 0], [2000, 13000, 0], [3000, 9000, 5]])
+    # (start ns, end ns, SM): two CTAs on SM 0, one on SM 5, and an empty split's unwritten words.
+    words = torch.tensor([[1000, 11000, 0], [2000, 13000, 0], [0, 0, 0], [3000, 9000, 5]])
     text = timeline.summary(words, "x").splitlines()
     assert text[0] == "x: 3 CTAs, 1-2 per SM"
     assert "start 0.0 0.2 1.0 1.8 2.0 | end 8.0 8.4 10.0 11.6 12.0 | duration 6.0 6.8 10.0 10.8 11.0" in text[1]
