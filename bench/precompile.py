@@ -6,6 +6,10 @@ them instead of spending its time in the compiler.
     CUTE_DSL_ARCH=sm_90a GRAPHC_CACHE_DIR=.kcache python3 bench/precompile.py
     # then on the GPU machine: carry .kcache and export GRAPHC_CACHE_DIR=$PWD/.kcache
 
+``--lean --prune`` compiles only what the GPU tests, `graphc bench` and `bench/gemm.py
+--no-variants` need and deletes every other object of these kernels from the cache (older
+sources included): about 8 MB, which fits beside the GPU bundle under the carry limit.
+
 The cache key includes the DSL's CUDA runtime build (cu12 / cu13), so compile with the same
 build the GPU machine runs: the GPU bundle's (cu13) under a Python 3.12 that has numpy and
 cuda-python, with PYTHONPATH=<bundle>:<bundle>/nvidia_cutlass_dsl/dsl_packages.
@@ -52,7 +56,11 @@ def spec_linear_shapes() -> set[tuple]:
     return shapes
 
 
-def gemm_configs(extra_tunings=(), extra_ms=()) -> list[tuple]:
+def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tuple]:
+    """Keys of the decode-GEMM variants to compile. ``lean``: only the GPU tests' cases, the
+    spec shapes at the step's batch sizes (up to 64 rows) and bench/gemm.py's rows with their
+    default tuning (no knob variants, no chain): what a GPU session needs for the tests,
+    `graphc bench` and `bench/gemm.py --no-variants`, small enough to travel with the GPU bundle."""
     import gemm_shapes as t
     from gemm_shapes import SPEC_SHAPES
 
@@ -66,17 +74,20 @@ def gemm_configs(extra_tunings=(), extra_ms=()) -> list[tuple]:
     from gemm import BIG_SHAPES as BENCH_SHAPES      # bench/gemm.py's rows
 
     for _, k, n, e in BENCH_SHAPES:                  # bench/gemm.py: default + its variants
-        for m in (1, 8, 16, 32, 64, 256):
+        for m in (1, 8, 16, 32, 64, 128, 200, 256) if lean else (1, 8, 16, 32, 64, 256):
             wanted.append((m, k, n, e, {}))
-            for _, tuning in variant_tunings(GemmConfig(m, k, n, e, H200_SMS)):
-                wanted.append((m, k, n, e, tuning))
+            if not lean:
+                for _, tuning in variant_tunings(GemmConfig(m, k, n, e, H200_SMS)):
+                    wanted.append((m, k, n, e, tuning))
     for k, n, e in sorted(set(SPEC_SHAPES) | spec_linear_shapes(), key=str):
-        for m in STEP_BATCH_SIZES:
+        for m in STEP_BATCH_SIZES + ((24, 32, 64) if lean else ()):
             wanted.append((m, k, n, e, {}))
+    if lean:
+        extra_ms, extra_tunings = (), ()
     for _, k, n, e in BENCH_SHAPES:                  # bench/gemm.py --m ... --tunings: each row
         for m in extra_ms:                           # times the default and the given tunings
             wanted += [(m, k, n, e, {})] + [(m, k, n, e, tuning) for _, tuning in extra_tunings]
-    for m in (1, 8, 64):                             # bench/chain.py
+    for m in () if lean else (1, 8, 64):             # bench/chain.py
         for pf in (None, 0, 16):
             wanted.append((m, 7168, 7168, None, {"l2_prefetch": pf}))
     keys = []
@@ -136,6 +147,22 @@ def attn_res_configs() -> list[tuple]:
     return keys
 
 
+def prune(jobs: list[tuple]) -> tuple[int, int]:
+    """Delete the cache's objects of these three kernels that no job names (older sources,
+    variants not asked for); returns (files, bytes) removed."""
+    from graphc.kernels import attn_res, decode_attention_tma, gemm
+
+    modules = {"gemm": gemm, "attn_res": attn_res, "attention": decode_attention_tma}
+    wanted = {modules[kind].compile_cache().path(key).name for kind, key in jobs}
+    cache_dir = gemm.compile_cache().cache_dir
+    removed = [f for f in cache_dir.glob("*.o")
+               if f.name.split("-")[0] in modules and f.name not in wanted]
+    size = sum(f.stat().st_size for f in removed)
+    for f in removed:
+        f.unlink()
+    return len(removed), size
+
+
 def _compile(job: tuple) -> float:
     from graphc.kernels import attn_res, decode_attention_tma, gemm
 
@@ -151,10 +178,14 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--tunings", default="", help="also bench/gemm.py --tunings TUNINGS ...")
     ap.add_argument("--m", default="", help="... at these batch sizes")
+    ap.add_argument("--lean", action="store_true",
+                    help="only what the GPU tests, graphc bench and bench/gemm.py --no-variants need")
+    ap.add_argument("--prune", action="store_true",
+                    help="then delete the cache's objects of these kernels that the list does not name")
     args = ap.parse_args()
     from gemm import parse_tunings                   # bench/gemm.py
 
-    gemm_keys = gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m])
+    gemm_keys = gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m], args.lean)
     jobs = ([("gemm", k) for k in gemm_keys] + [("attn_res", k) for k in attn_res_configs()]
             + [("attention", k) for k in attention_configs()])
     counts = {kind: sum(j[0] == kind for j in jobs) for kind in ("gemm", "attn_res", "attention")}
@@ -165,6 +196,9 @@ def main() -> None:
         for i, (job, secs) in enumerate(zip(jobs, pool.map(_compile, jobs)), 1):
             print(f"[{i:3d}/{len(jobs)}] {secs:5.1f} s  {job[0]} {job[1]}", flush=True)
     print(f"done in {time.perf_counter() - t0:.0f} s")
+    if args.prune:
+        files, size = prune(jobs)
+        print(f"pruned {files} objects ({size / 1e6:.1f} MB) the list does not name")
 
 
 if __name__ == "__main__":

@@ -110,3 +110,31 @@ def test_attention_timeline_compiles_and_summarises():
     assert "start 0.0 0.2 1.0 1.8 2.0 | end 8.0 8.4 10.0 11.6 12.0 | duration 6.0 6.8 10.0 10.8 11.0" in text[1]
     assert text[2] == "   on SMs with 1 CTAs: 1 CTAs, end median 8.0 max 8.0, duration median 6.0"
     assert text[3] == "   on SMs with 2 CTAs: 2 CTAs, end median 10.0 max 12.0, duration median 10.0"
+
+
+def test_precompile_lean_list_and_prune(tmp_path, monkeypatch):
+    """bench/precompile.py --lean names the GPU tests' GEMM cases and the step's shapes up to
+    64 rows, and no knob variants; --prune deletes only objects of its three kernels that the
+    list does not name."""
+    from graphc.kernels import gemm
+    from graphc.kernels.gemm import GemmConfig
+
+    monkeypatch.syspath_prepend(str(BENCH))                  # precompile imports bench/gemm.py
+    monkeypatch.syspath_prepend(str(BENCH.parent / "tests"))  # and tests/gemm_shapes.py
+    precompile = _load("precompile")
+    import gemm_shapes
+
+    lean, full = precompile.gemm_configs(lean=True), precompile.gemm_configs()
+    cases = {GemmConfig(m, k, n, e, 132).key() for m, k, n, e in gemm_shapes.reference_cases()}
+    assert cases <= set(lean)
+    assert GemmConfig(64, 7168, 10240, None, 132).key() in lean        # qkv at 64 rows (graphc bench)
+    assert len(lean) < len(full)
+    defaults = [k for k in lean if k == GemmConfig(*k[:4], 132).key()]     # (m, k, n, epilogue) first
+    assert len(lean) - len(defaults) <= len(gemm_shapes.TUNING_CASES)      # knob variants: the tests' only
+
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
+    keep = gemm.compile_cache().path(lean[0])
+    for name in (keep.name, "gemm-0123.o", "attention-4567.o", "gemm_timeline-89ab.o", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x" * 10)
+    assert precompile.prune([("gemm", lean[0])]) == (2, 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([keep.name, "gemm_timeline-89ab.o", "notes.txt"])
