@@ -23,6 +23,7 @@ from graphc.kernels import attn_res as ar
 from graphc.ops.attn_res_math import SUPPORTED_HIDDEN_RULE, attn_res_reference, cluster_shape
 
 import test_attn_res_gpu as gpu_cases
+from ptxas_tool import run_ptxas
 
 # (hidden, nb, has_delta, final): every cluster size, every exchange-round layout.
 CONFIGS = [
@@ -135,15 +136,13 @@ def test_ptx_structure(config):
 def test_no_spills(config, tmp_path):
     src = tmp_path / "k.ptx"
     src.write_text(_ptx(config))
-    done = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "0 bytes spill stores, 0 bytes spill loads" in done.stderr, done.stderr
-    assert "0 bytes stack frame" in done.stderr, done.stderr
-    registers = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    report = run_ptxas(src, tmp_path / "k.cubin", "-v")
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "0 bytes stack frame" in report, report
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
     # The saved blocks wait in shared memory, not registers: <= 80 registers a thread keeps
     # 6+ CTAs of 128 threads per SM (the next kernel's CTAs need room too, with PDL).
-    assert registers <= 80, done.stderr
+    assert registers <= 80, report
 
 
 def test_pdl_traits():

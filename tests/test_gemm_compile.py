@@ -16,6 +16,7 @@ from graphc.kernels import gemm
 from graphc.kernels.gemm import EVICT_FIRST, GemmConfig, check_shape, linear_ptx
 
 from gemm_shapes import SPEC_SHAPES  # noqa: E402
+from ptxas_tool import run_ptxas  # noqa: E402
 
 # Long unrolled epilogue loops (M = 256) make CuTe DSL suggest unroll_full; compile time is fine.
 pytestmark = pytest.mark.filterwarnings("ignore:This static loop has")
@@ -348,18 +349,6 @@ def test_small_m_same_code_path_as_m8(m):
         assert bad not in ptx
 
 
-def _ptxas(src, cubin, *flags) -> str:
-    """ptxas's report for ``src``; skips the test when this ptxas is older than the PTX ISA the
-    installed CuTe DSL emits (e.g. the GPU bundle's DSL writes .version 9.4, a CUDA 13.0 ptxas
-    reads up to 9.0), which says nothing about the kernel."""
-    out = subprocess.run(["ptxas", "-arch=sm_90a", *flags, str(src), "-o", str(cubin)],
-                         capture_output=True, text=True)
-    if out.returncode and "Unsupported .version" in out.stderr:
-        pytest.skip(f"local ptxas too old for this PTX: {out.stderr.strip().splitlines()[0]}")
-    assert out.returncode == 0, out.stderr
-    return out.stdout + out.stderr
-
-
 @pytest.mark.skipif(shutil.which("ptxas") is None or shutil.which("cuobjdump") is None
                     or shutil.which("nvdisasm") is None,
                     reason="needs ptxas, cuobjdump and nvdisasm (CUDA toolkit)")
@@ -370,7 +359,7 @@ def test_sass_m1_tma_loads_are_2d(tmp_path):
         src = tmp_path / f"m{m}.ptx"
         src.write_text(ptx_of(m, 1024, 1024, None))
         cubin = tmp_path / f"m{m}.cubin"
-        _ptxas(src, cubin)
+        run_ptxas(src, cubin)
         sass = subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], check=True,
                               capture_output=True, text=True).stdout
         loads = re.findall(r"UTMALDG\.(\w+)", sass)
@@ -387,7 +376,7 @@ def test_sass_spills_only_after_the_main_loop(tmp_path, m, k, n):
     src = tmp_path / "gemm.ptx"
     src.write_text(ptx_of(m, k, n, None))
     cubin = tmp_path / "gemm.cubin"
-    _ptxas(src, cubin)
+    run_ptxas(src, cubin)
     sass = subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], check=True,
                           capture_output=True, text=True).stdout.splitlines()
     mma = [i for i, line in enumerate(sass) if "HGMMA" in line]
@@ -426,7 +415,7 @@ def test_ptx_block_k_128(m, k, n, epilogue):
 def test_register_spills(tmp_path, m, k, n, epilogue, max_spill):
     src = tmp_path / "gemm.ptx"
     src.write_text(ptx_of(m, k, n, epilogue))
-    report = _ptxas(src, tmp_path / "gemm.cubin", "-v")
+    report = run_ptxas(src, tmp_path / "gemm.cubin", "-v")
     spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert spill <= max_spill, report
 
