@@ -39,21 +39,30 @@ STEP_BATCH_SIZES = (1, 2, 3, 4, 5, 8, 16)  # step tests, `graphc bench`, `graphc
 ATTENTION_BATCH_SIZES = (4, 5, 8, 16, 24, 32, 64, 128)  # the TMA attention's default from 4 rows
 
 
-def spec_linear_shapes() -> set[tuple]:
-    """(K, N, epilogue) of every linear op of the shipped specs (lm_head included)."""
+def shipped_ops(op_type) -> list:
+    """Every op of type ``op_type`` in the graphs of the shipped specs, spec by spec in name
+    order."""
     import glob
 
     from graphc.graph import build_graph
-    from graphc.ops.linear import LinearOp
     from graphc.spec import load_spec
 
-    shapes = set()
-    for path in glob.glob(os.path.join(ROOT, "layer_specs", "*.yaml")):
-        graph = build_graph(load_spec(path))
-        for _, op in graph.nodes(data="op"):
-            if isinstance(op, LinearOp):
-                shapes.add((op.k, op.n, op.epilogue))
-    return shapes
+    return [op for path in sorted(glob.glob(os.path.join(ROOT, "layer_specs", "*.yaml")))
+            for _, op in build_graph(load_spec(path)).nodes(data="op") if isinstance(op, op_type)]
+
+
+def kernel_modules() -> dict:
+    """Compile-cache name -> kernel module, for the three CuTe DSL kernels this tool compiles."""
+    from graphc.kernels import attn_res, decode_attention_tma, gemm
+
+    return {m.compile_cache().name: m for m in (gemm, attn_res, decode_attention_tma)}
+
+
+def spec_linear_shapes() -> set[tuple]:
+    """(K, N, epilogue) of every linear op of the shipped specs (lm_head included)."""
+    from graphc.ops.linear import LinearOp
+
+    return {(op.k, op.n, op.epilogue) for op in shipped_ops(LinearOp)}
 
 
 def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tuple]:
@@ -104,57 +113,44 @@ def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tupl
 def attention_configs() -> list[tuple]:
     """Keys of the TMA attention (default tiling) for every attention op of the shipped specs
     it supports, at ATTENTION_BATCH_SIZES."""
-    import glob
-
-    from graphc.graph import build_graph
     from graphc.kernels.decode_attention_tma import AttentionConfig, default_chunk, default_stages
     from graphc.ops.attention import DecodeAttentionOp, tma_supports
-    from graphc.spec import load_spec
 
     keys = []
-    for path in sorted(glob.glob(os.path.join(ROOT, "layer_specs", "*.yaml"))):
-        for _, op in build_graph(load_spec(path)).nodes(data="op"):
-            if not isinstance(op, DecodeAttentionOp) or not tma_supports(**op.params()):
-                continue
-            for rows in ATTENTION_BATCH_SIZES:
-                key = AttentionConfig(rows, op.heads, op.kv_heads, op.head_dim, op.max_context,
-                                      default_chunk(rows), default_stages(rows)).key()
-                if key not in keys:
-                    keys.append(key)
+    for op in shipped_ops(DecodeAttentionOp):
+        if not tma_supports(**op.params()):
+            continue
+        for rows in ATTENTION_BATCH_SIZES:
+            key = AttentionConfig(rows, op.heads, op.kv_heads, op.head_dim, op.max_context,
+                                  default_chunk(rows), default_stages(rows)).key()
+            if key not in keys:
+                keys.append(key)
     return keys
 
 
 def attn_res_configs() -> list[tuple]:
     """Keys of every AttnRes call of the shipped specs (the kernel does not depend on the batch
     size)."""
-    import glob
-
-    from graphc.graph import build_graph
     from graphc.kernels.attn_res import static_key
     from graphc.ops.attn_res import AttnResOp
-    from graphc.spec import load_spec
 
     keys = []
-    for path in sorted(glob.glob(os.path.join(ROOT, "layer_specs", "*.yaml"))):
-        for _, op in build_graph(load_spec(path)).nodes(data="op"):
-            if isinstance(op, AttnResOp):
-                try:
-                    key = static_key(op.hidden, op.nb, op.has_delta, op.final)
-                except ValueError:
-                    continue                         # a hidden size the kernel refuses
-                if key not in keys:
-                    keys.append(key)
+    for op in shipped_ops(AttnResOp):
+        try:
+            key = static_key(op.hidden, op.nb, op.has_delta, op.final)
+        except ValueError:
+            continue                                 # a hidden size the kernel refuses
+        if key not in keys:
+            keys.append(key)
     return keys
 
 
 def prune(jobs: list[tuple]) -> tuple[int, int]:
     """Delete the cache's objects of these three kernels that no job names (older sources,
-    variants not asked for); returns (files, bytes) removed."""
-    from graphc.kernels import attn_res, decode_attention_tma, gemm
-
-    modules = {"gemm": gemm, "attn_res": attn_res, "attention": decode_attention_tma}
-    wanted = {modules[kind].compile_cache().path(key).name for kind, key in jobs}
-    cache_dir = gemm.compile_cache().cache_dir
+    variants not asked for); returns (files, bytes) removed. A job is (compile-cache name, key)."""
+    modules = kernel_modules()
+    wanted = {modules[name].compile_cache().path(key).name for name, key in jobs}
+    cache_dir = modules["gemm"].compile_cache().cache_dir
     removed = [f for f in cache_dir.glob("*.o")
                if f.name.split("-")[0] in modules and f.name not in wanted]
     size = sum(f.stat().st_size for f in removed)
@@ -164,12 +160,10 @@ def prune(jobs: list[tuple]) -> tuple[int, int]:
 
 
 def _compile(job: tuple) -> float:
-    from graphc.kernels import attn_res, decode_attention_tma, gemm
-
-    kind, key = job
-    module = {"gemm": gemm, "attn_res": attn_res, "attention": decode_attention_tma}[kind]
+    name, key = job
+    cache = kernel_modules()[name].compile_cache()
     t0 = time.perf_counter()
-    module.compile_cache().get(key)
+    cache.get(key)
     return time.perf_counter() - t0
 
 

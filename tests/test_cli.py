@@ -29,7 +29,7 @@ def test_build_writes_every_artifact_and_summary(tmp_path, capsys):
     assert DECODE_GEMM_MAX_BATCH < 64
     if LinearOp.implementations["cute"].available():
         assert "batch 1, 3: 26 PDL edges; embedding torch, attn_res cute, linear cute" in out
-    # From 17 rows the CuTe DSL attention (where installed) is entered through a PDL edge too.
+    # From TMA_MIN_BATCH rows the CuTe DSL attention (where installed) is entered through a PDL edge too.
     from graphc.ops.attention import DecodeAttentionOp
 
     if DecodeAttentionOp.implementations["tma"].available():

@@ -8,6 +8,7 @@ writes qkv while attention streams the cache before its wait).
 
 from __future__ import annotations
 
+import itertools
 import re
 import tempfile
 
@@ -37,6 +38,21 @@ def test_bad_shapes_are_refused(kwargs, rule):
     args = dict(rows=8, heads=H, kv_heads=KV, head_dim=HD, max_context=C, chunk=256, stages=3) | kwargs
     with pytest.raises(ValueError, match=rule):
         AttentionConfig(**args)
+
+
+def test_op_mirror_agrees_with_the_kernel():
+    """graphc.ops.attention.tma_supports (which cannot import cutlass) accepts exactly the
+    shapes check_shape accepts."""
+    from graphc.ops.attention import tma_supports
+
+    for heads, kv_heads, head_dim, max_context in itertools.product(
+            (8, 12, 60, 64, 128, 256), (1, 2, 4, 8, 0), (64, 96, 128, 256), (64, 1000, 2048)):
+        try:
+            tma.check_shape(heads, kv_heads, head_dim, max_context)
+            ok = True
+        except ValueError:
+            ok = False
+        assert tma_supports(heads, kv_heads, head_dim, max_context) == ok, (heads, kv_heads, head_dim, max_context)
 
 
 def test_splits_cover_the_context():
