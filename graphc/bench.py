@@ -39,7 +39,11 @@ def _inputs(step, batch: int, context: int):
 
 
 def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = True,
-               progress=lambda s: None, step=None) -> list[dict]:
+               progress=lambda s: None, step=None, power: bool = False) -> list[dict]:
+    """One row per batch size: the replayed step's median time against its HBM floor, and
+    with ``power`` what the board drew meanwhile (``power.py``: 1.5 s of back-to-back
+    replays per batch size, so a power-capped batch size shows as one)."""
+    from .power import measure_power, nvidia_smi_id
     from .runtime import build
 
     step = step or build(spec, batch_sizes, weights=weights, device="cuda", use_pdl=use_pdl,
@@ -51,23 +55,39 @@ def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = Tr
         step(tokens, seq_lens)
         t = time_replays(lambda: step.graphs[b].replay())
         floor = step_floor_s(step.schedule, b, context)
-        rows.append({"batch": b, "step_us": t * 1e6, "floor_us": floor * 1e6,
-                     "ratio": t / floor, **stats[b]})
+        row = {"batch": b, "step_us": t * 1e6, "floor_us": floor * 1e6, "ratio": t / floor, **stats[b]}
+        if power:
+            summary = measure_power(step.graphs[b].replay, nvidia_smi_id(step.device))
+            row["power"] = summary.as_dict() if summary is not None else None
+        rows.append(row)
     return rows
 
 
 def format_step_table(rows: list[dict]) -> str:
+    with_power = any(r.get("power") for r in rows)
     head = f"{'batch':>6} {'step us':>10} {'floor us':>10} {'ratio':>7} {'kernels':>8} {'PDL':>5} {'capture ms':>11} {'graph MB':>9}"
+    if with_power:
+        head += f" {'power W':>8} {'SM MHz':>7} {'capped':>7}"
     lines = [head]
     for r in rows:
-        lines.append(f"{r['batch']:6d} {r['step_us']:10.1f} {r['floor_us']:10.1f} {r['ratio']:7.3f} "
-                     f"{r['kernels']:8d} {r['pdl_edges']:5d} {r['capture_s'] * 1e3:11.1f} "
-                     f"{r['graph_memory_bytes'] / 1e6:9.1f}")
+        line = (f"{r['batch']:6d} {r['step_us']:10.1f} {r['floor_us']:10.1f} {r['ratio']:7.3f} "
+                f"{r['kernels']:8d} {r['pdl_edges']:5d} {r['capture_s'] * 1e3:11.1f} "
+                f"{r['graph_memory_bytes'] / 1e6:9.1f}")
+        p = r.get("power")
+        if with_power:
+            line += (f" {p['power_w']:8.0f} {p['sm_mhz']:7.0f} {p['limited_share'] * 100:6.0f}%" if p
+                     else f" {'-':>8} {'-':>7} {'-':>7}")
+        lines.append(line)
+    bound = [p for r in rows if (p := r.get("power")) and p["power_bound"]]
+    if bound:
+        lines.append(f"capped: share of power samples with the SM clock held down by the board's "
+                     f"{bound[0]['power_limit_w']:.0f} W budget ({', '.join(sorted({x for p in bound for x in p['reasons']}))}); "
+                     f"at >= 50% the step is power-bound there, not bandwidth-bound")
     return "\n".join(lines)
 
 
 def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, compare=True,
-              progress=lambda s: None, say=print) -> dict:
+              progress=lambda s: None, say=print, power: bool = True) -> dict:
     from .runtime import build
     from .spec import load_spec
 
@@ -77,7 +97,7 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
         from .errors import GraphcError
         raise GraphcError("graphc bench needs a CUDA GPU")
     step = build(spec, batch_sizes, weights=weights, device="cuda", progress=progress)
-    rows = bench_step(spec, batch_sizes, context, step=step)
+    rows = bench_step(spec, batch_sizes, context, step=step, power=power)
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "spec": str(spec_path), "context": context,
               "implementations": {b: step.schedules[b].implementation_summary() for b in batch_sizes},

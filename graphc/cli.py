@@ -237,7 +237,8 @@ def cmd_bench(args) -> int:
     from .bench import run_bench
 
     run_bench(args.spec, args.batch_sizes, context=args.context, out=args.out,
-              weights=args.weights, compare=not args.quick, progress=_progress, say=_say)
+              weights=args.weights, compare=not args.quick, progress=_progress, say=_say,
+              power=not args.no_power)
     return 0
 
 
@@ -291,6 +292,8 @@ def make_parser() -> argparse.ArgumentParser:
     n.add_argument("--weights")
     n.add_argument("--out", help="JSON results file (default bench/results/step_<spec>_<gpu>_<date>.json)")
     n.add_argument("--quick", action="store_true", help="only the graphc step, no baselines")
+    n.add_argument("--no-power", action="store_true",
+                   help="skip sampling board power and SM clock (1.5 s of replays per batch size)")
     n.set_defaults(func=cmd_bench)
     return p
 

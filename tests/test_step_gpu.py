@@ -151,6 +151,24 @@ def test_tiny_step_and_profile(tmp_path):
     write_schedule_html(step.schedule, tmp_path / "t.html", profile=prof)
 
 
+def test_bench_step_reports_board_power(step8l):
+    """graphc bench's power columns on a real board: samples from nvidia-smi for the device the
+    step runs on, within what the board reports as its limit and clock range."""
+    import shutil
+
+    from graphc.bench import bench_step, format_step_table
+
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("no nvidia-smi on this machine: graphc bench prints no power columns")
+    rows = bench_step(step8l.spec, [32], 1024, step=step8l, power=True)
+    p = rows[0]["power"]
+    assert p is not None and p["samples"] >= 10, p
+    assert 50 < p["power_w"] <= 1.15 * p["power_limit_w"], p
+    assert 0 < p["sm_mhz"] <= p["sm_max_mhz"], p
+    assert 0 <= p["limited_share"] <= 1 and p["power_bound"] == (p["limited_share"] >= 0.5)
+    assert "capped" in format_step_table(rows).splitlines()[0]
+
+
 def bf16_ulps_apart(a, b):
     """Elementwise distance of two bf16 tensors in units in the last place (0 and -0 equal)."""
     def ordered(t):
