@@ -51,7 +51,7 @@ def test_sampler_without_nvidia_smi(monkeypatch):
 def test_sampler_reads_a_stream(monkeypatch, tmp_path):
     """The sampler as a child process: a stand-in nvidia-smi that prints the recorded lines."""
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\n" + "".join(f"echo '{l}'\n" for l in FREE + CAPPED * 3) + "sleep 5\n")
+    fake.write_text("#!/bin/sh\n" + "".join(f"echo '{l}'\n" for l in FREE + CAPPED * 3) + "exec sleep 5\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
     import time
