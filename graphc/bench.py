@@ -59,6 +59,9 @@ def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = Tr
         if power:
             summary = measure_power(step.graphs[b].replay, nvidia_smi_id(step.device))
             row["power"] = summary.as_dict() if summary is not None else None
+            if summary is not None:
+                # Board energy per generated token: median draw x median step time / rows.
+                row["power"]["energy_per_token_j"] = summary.power_w * t / b
         rows.append(row)
     return rows
 
@@ -67,7 +70,7 @@ def format_step_table(rows: list[dict]) -> str:
     with_power = any(r.get("power") for r in rows)
     head = f"{'batch':>6} {'step us':>10} {'floor us':>10} {'ratio':>7} {'kernels':>8} {'PDL':>5} {'capture ms':>11} {'graph MB':>9}"
     if with_power:
-        head += f" {'power W':>8} {'SM MHz':>7} {'capped':>7}"
+        head += f" {'power W':>8} {'SM MHz':>7} {'capped':>7} {'mJ/token':>9}"
     lines = [head]
     for r in rows:
         line = (f"{r['batch']:6d} {r['step_us']:10.1f} {r['floor_us']:10.1f} {r['ratio']:7.3f} "
@@ -75,8 +78,8 @@ def format_step_table(rows: list[dict]) -> str:
                 f"{r['graph_memory_bytes'] / 1e6:9.1f}")
         p = r.get("power")
         if with_power:
-            line += (f" {p['power_w']:8.0f} {p['sm_mhz']:7.0f} {p['limited_share'] * 100:6.0f}%" if p
-                     else f" {'-':>8} {'-':>7} {'-':>7}")
+            line += (f" {p['power_w']:8.0f} {p['sm_mhz']:7.0f} {p['limited_share'] * 100:6.0f}%"
+                     f" {p['energy_per_token_j'] * 1e3:9.1f}" if p else f" {'-':>8} {'-':>7} {'-':>7} {'-':>9}")
         lines.append(line)
     bound = [p for r in rows if (p := r.get("power")) and p["power_bound"]]
     if bound:

@@ -65,6 +65,8 @@ def test_sampler_reads_a_stream(monkeypatch, tmp_path):
 
 
 def _row(batch, p=None):
+    if p is not None:
+        p = {**p, "energy_per_token_j": p["power_w"] * 3228e-6 / batch}
     return {"batch": batch, "step_us": 3228.0, "floor_us": 3062.0, "ratio": 3228 / 3062, "kernels": 59,
             "pdl_edges": 33, "capture_s": 0.007, "graph_memory_bytes": 3.36e7, "power": p}
 
@@ -74,10 +76,10 @@ def test_step_table_power_columns():
     free = summarize([parse_sample(l) for l in FREE]).as_dict()
     text = format_step_table([_row(8, free), _row(64, capped)])
     head, r8, r64, note = text.splitlines()
-    assert head.split()[-5:] == ["power", "W", "SM", "MHz", "capped"]
-    assert r8.split()[-3:] == ["615", "1980", "0%"]          # median of 614.2 and 616.05
-    assert r64.split()[-3:] == ["693", "1860", "100%"]
+    assert head.split()[-6:] == ["power", "W", "SM", "MHz", "capped", "mJ/token"]
+    assert r8.split()[-4:] == ["615", "1980", "0%", "248.2"]   # median 615.125 W x 3228 us / 8
+    assert r64.split()[-4:] == ["693", "1860", "100%", "35.0"]
     assert "700 W" in note and "power cap" in note and "power-bound" in note
     # Without samples (no nvidia-smi), no power columns at all; a missing row prints dashes.
     assert "power" not in format_step_table([_row(8), _row(64)])
-    assert format_step_table([_row(8), _row(64, free)]).splitlines()[1].split()[-3:] == ["-", "-", "-"]
+    assert format_step_table([_row(8), _row(64, free)]).splitlines()[1].split()[-4:] == ["-", "-", "-", "-"]

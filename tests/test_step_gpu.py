@@ -166,6 +166,7 @@ def test_bench_step_reports_board_power(step8l):
     assert 50 < p["power_w"] <= 1.15 * p["power_limit_w"], p
     assert 0 < p["sm_mhz"] <= p["sm_max_mhz"], p
     assert 0 <= p["limited_share"] <= 1 and p["power_bound"] == (p["limited_share"] >= 0.5)
+    assert p["energy_per_token_j"] == pytest.approx(p["power_w"] * rows[0]["step_us"] * 1e-6 / 32)
     assert "capped" in format_step_table(rows).splitlines()[0]
 
 
