@@ -138,3 +138,21 @@ def test_precompile_lean_list_and_prune(tmp_path, monkeypatch):
         (tmp_path / name).write_bytes(b"x" * 10)
     assert precompile.prune([("gemm", lean[0])]) == (2, 20)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([keep.name, "gemm_timeline-89ab.o", "notes.txt"])
+
+
+def test_chain_timeline_instrumentation_compiles():
+    """bench/chain_timeline.py: its timer stores still apply to kernels/attn_res.py at their
+    anchors (one each) and the instrumented AttnRes compiles; the chain's GEMM configurations
+    alternate so that links 21 and 22 have timer words of their own, and the last link a third."""
+    import ast
+
+    pytest.importorskip("cutlass")
+    timeline = _load("chain_timeline")
+    src = timeline.attn_res_source()
+    ast.parse(src)
+    assert src.count("globaltimer_lo()") == 6 and 'CompileCache("attn_res_timeline"' in src
+    ar = timeline.attn_res_module()
+    ar.compile_cache().get(ar.static_key(timeline.D, timeline.NB, True, False))
+    pf = [timeline.l2_prefetch_of(i) for i in range(timeline.LINKS)]
+    assert pf[21] != pf[22] and pf[23] not in (pf[21], pf[22]) and pf[21] not in pf[22:]
+    assert pf[22] not in pf[23:]
