@@ -28,6 +28,7 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -44,8 +45,8 @@ D, NB, LINKS, EPS = 7168, 4, 24, 1e-6
 DEFAULT_TUNINGS = "l2_prefetch=0;l2_prefetch=16"
 
 
-def time_graph(fn, replays: int) -> float:
-    """Median seconds per replay of a CUDA graph of fn (warmed up outside capture)."""
+def capture_graph(fn):
+    """A CUDA graph of ``fn(stream)``, warmed up once on the capturing stream outside capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -55,40 +56,55 @@ def time_graph(fn, replays: int) -> float:
         with torch.cuda.graph(graph, stream=stream):
             fn(stream)
     torch.cuda.synchronize()
-    return time_replays(graph.replay, 3, replays)
+    return graph
 
 
-def bench(m: int, replays: int, tunings: list[tuple[str, dict]]) -> dict:
+def time_graph(fn, replays: int) -> float:
+    """Median seconds per replay of a CUDA graph of fn (warmed up outside capture)."""
+    return time_replays(capture_graph(fn).replay, 3, replays)
+
+
+def chain_inputs(m: int) -> SimpleNamespace:
+    """The chain's tensors at M rows: enough weight copies (> 4x L2) that no link finds its
+    weights in L2, link i's AttnRes reading ys[i] and writing xs[i], its GEMM xs[i] -> ys[i+1]."""
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     copies = max(2, math.ceil(4 * l2 / (D * D * 2)))
-    ws = [(torch.randn(D, D, generator=g, device="cuda") / D**0.5).to(bf) for _ in range(copies)]
-    ys = [torch.randn(m, D, generator=g, device="cuda").to(bf) for _ in range(LINKS + 1)]
-    xs = [torch.empty(m, D, device="cuda", dtype=bf) for _ in range(LINKS)]
-    prefix = (4 * torch.randn(m, D, generator=g, device="cuda")).to(bf)
-    blocks = (2 * torch.randn(m, NB, D, generator=g, device="cuda")).to(bf)
-    key_norm = (1 + 0.2 * torch.randn(D, generator=g, device="cuda")).to(bf)
-    query = (4 / math.sqrt(D) * torch.randn(D, generator=g, device="cuda")).to(bf)
-    out_norm = (1 + 0.2 * torch.randn(D, generator=g, device="cuda")).to(bf)
+    return SimpleNamespace(
+        copies=copies,
+        ws=[(torch.randn(D, D, generator=g, device="cuda") / D**0.5).to(bf) for _ in range(copies)],
+        ys=[torch.randn(m, D, generator=g, device="cuda").to(bf) for _ in range(LINKS + 1)],
+        xs=[torch.empty(m, D, device="cuda", dtype=bf) for _ in range(LINKS)],
+        prefix=(4 * torch.randn(m, D, generator=g, device="cuda")).to(bf),
+        blocks=(2 * torch.randn(m, NB, D, generator=g, device="cuda")).to(bf),
+        key_norm=(1 + 0.2 * torch.randn(D, generator=g, device="cuda")).to(bf),
+        query=(4 / math.sqrt(D) * torch.randn(D, generator=g, device="cuda")).to(bf),
+        out_norm=(1 + 0.2 * torch.randn(D, generator=g, device="cuda")).to(bf),
+    )
+
+
+def bench(m: int, replays: int, tunings: list[tuple[str, dict]]) -> dict:
+    t = chain_inputs(m)
 
     def res(i, stream, use_pdl):
-        attn_res(ys[i], prefix, blocks, key_norm, query, out_norm, xs[i], nb=NB, has_delta=True,
-                 write=-1, final=False, eps=EPS, out_eps=EPS, stream=stream, use_pdl=use_pdl)
+        attn_res(t.ys[i], t.prefix, t.blocks, t.key_norm, t.query, t.out_norm, t.xs[i], nb=NB,
+                 has_delta=True, write=-1, final=False, eps=EPS, out_eps=EPS, stream=stream,
+                 use_pdl=use_pdl)
 
     def chain(use_pdl, with_res=True, cublas=False, **tuning):
         def run(stream):
             for i in range(LINKS):
                 if with_res:
                     res(i, stream, use_pdl)
-                w = ws[i % copies]
+                w = t.ws[i % t.copies]
                 if cublas:
-                    torch.mm(xs[i], w.t(), out=ys[i + 1])
+                    torch.mm(t.xs[i], w.t(), out=t.ys[i + 1])
                 else:
-                    gemm.linear(xs[i], w, ys[i + 1], stream=stream, use_pdl=use_pdl, **tuning)
+                    gemm.linear(t.xs[i], w, t.ys[i + 1], stream=stream, use_pdl=use_pdl, **tuning)
         return run
 
-    row = {"m": m, "links": LINKS, "weight_copies": copies}
+    row = {"m": m, "links": LINKS, "weight_copies": t.copies}
     for name, fn in (("gemm", chain(True, with_res=False)), ("pdl", chain(True)),
                      ("full", chain(False)), ("cublas_gemm", chain(False, with_res=False, cublas=True)),
                      ("cublas", chain(True, cublas=True))):

@@ -21,8 +21,6 @@ noisy (a wait release of 0.4 µs in one round, 2.5 in the next): use ``--rounds`
 from __future__ import annotations
 
 import argparse
-import importlib
-import math
 import os
 import sys
 
@@ -31,9 +29,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-import gemm_timeline  # noqa: E402  (bench/gemm_timeline.py)
+import torch  # noqa: E402
 
-D, NB, LINKS, EPS = 7168, 4, 24, 1e-6
+import gemm_timeline  # noqa: E402  (bench/gemm_timeline.py)
+from chain import D, EPS, LINKS, NB, capture_graph, chain_inputs  # noqa: E402  (bench/chain.py)
+
 ATTN_RES_WORDS = 8      # entry, pre done, wait passed, end, smid, loaded, computed, (unused)
 _T = "cute.arch.globaltimer_lo()"
 
@@ -70,23 +70,12 @@ ATTN_RES_PATCHES = [
 
 
 def attn_res_source() -> str:
-    """kernels/attn_res.py with the timer stores inserted (SystemExit naming a moved anchor)."""
-    src = open(os.path.join(ROOT, "kernels", "attn_res.py")).read()
-    for anchor, replacement in ATTN_RES_PATCHES:
-        if src.count(anchor) != 1:
-            raise SystemExit(f"kernels/attn_res.py changed: anchor {anchor.strip()[:70]!r} found "
-                             f"{src.count(anchor)} times; update ATTN_RES_PATCHES in bench/chain_timeline.py")
-        src = src.replace(anchor, replacement)
-    return src
+    """kernels/attn_res.py with the timer stores inserted."""
+    return gemm_timeline.patched_source("attn_res", ATTN_RES_PATCHES, "bench/chain_timeline.py")
 
 
 def attn_res_module():
-    src = attn_res_source()
-    path = os.path.join(ROOT, "kernels", "_attn_res_timeline.py")
-    if not os.path.exists(path) or open(path).read() != src:
-        with open(path, "w") as f:
-            f.write(src)
-    return importlib.import_module("graphc.kernels._attn_res_timeline")
+    return gemm_timeline.patched_module("attn_res", ATTN_RES_PATCHES, "bench/chain_timeline.py")
 
 
 def l2_prefetch_of(link: int) -> int:
@@ -96,8 +85,6 @@ def l2_prefetch_of(link: int) -> int:
 
 def _rel(words, t0):
     """µs from t0 of 32-bit %globaltimer_lo words (wrapping every 4.3 s)."""
-    import torch
-
     d = (words - t0) % (1 << 32)
     return torch.where(d >= (1 << 31), d - (1 << 32), d).float() / 1000
 
@@ -109,19 +96,7 @@ def _q(v) -> str:
 def link_timeline(g, ar, m: int) -> dict:
     """Run the chain at M rows (a CUDA graph of 24 links, replayed), print and return the
     timeline of links 21 -> 22."""
-    import torch
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = torch.bfloat16
-    copies = 3                                   # 3 x 103 MB: no link finds its weights in L2
-    ws = [(torch.randn(D, D, generator=gen, device="cuda") / D**0.5).to(bf) for _ in range(copies)]
-    ys = [torch.randn(m, D, generator=gen, device="cuda").to(bf) for _ in range(LINKS + 1)]
-    xs = [torch.randn(m, D, generator=gen, device="cuda").to(bf) for _ in range(LINKS)]
-    prefix = (4 * torch.randn(m, D, generator=gen, device="cuda")).to(bf)
-    blocks = (2 * torch.randn(m, NB, D, generator=gen, device="cuda")).to(bf)
-    key_norm = (1 + 0.2 * torch.randn(D, generator=gen, device="cuda")).to(bf)
-    query = (4 / math.sqrt(D) * torch.randn(D, generator=gen, device="cuda")).to(bf)
-    out_norm = (1 + 0.2 * torch.randn(D, generator=gen, device="cuda")).to(bf)
+    t = chain_inputs(m)
     ctas = ar.cluster_shape(D)[0]
     words = [torch.zeros(m * ctas * ATTN_RES_WORDS, dtype=torch.int32, device="cuda") for _ in range(LINKS)]
     launcher = ar._launcher(ar.static_key(D, NB, True, False))
@@ -130,20 +105,13 @@ def link_timeline(g, ar, m: int) -> dict:
         for i in range(LINKS):
             # attn_res's own argument list, with no aux streams (aux_count 0) and aux1 = the
             # link's timer words.
-            launcher(0, [ys[i].data_ptr(), prefix.data_ptr(), blocks.data_ptr(), key_norm.data_ptr(),
-                         query.data_ptr(), out_norm.data_ptr(), xs[i].data_ptr(), 0, words[i].data_ptr(), 0,
-                         m, NB, -1, EPS, EPS, stream.cuda_stream, True])
-            g.linear(xs[i], ws[i % copies], ys[i + 1], stream=stream, use_pdl=True, l2_prefetch=l2_prefetch_of(i))
+            launcher(0, [t.ys[i].data_ptr(), t.prefix.data_ptr(), t.blocks.data_ptr(), t.key_norm.data_ptr(),
+                         t.query.data_ptr(), t.out_norm.data_ptr(), t.xs[i].data_ptr(), 0,
+                         words[i].data_ptr(), 0, m, NB, -1, EPS, EPS, stream.cuda_stream, True])
+            g.linear(t.xs[i], t.ws[i % t.copies], t.ys[i + 1], stream=stream, use_pdl=True,
+                     l2_prefetch=l2_prefetch_of(i))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(side)
-        side.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            chain(side)
-    torch.cuda.synchronize()
+    graph = capture_graph(chain)
     for _ in range(5):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

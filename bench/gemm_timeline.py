@@ -77,24 +77,36 @@ PATCHES = [
 ]
 
 
-def instrumented_source() -> str:
-    """kernels/gemm.py with the timer stores inserted (SystemExit naming a moved anchor)."""
-    src = open(os.path.join(ROOT, "kernels", "gemm.py")).read()
-    for anchor, replacement in PATCHES:
+def patched_source(kernel: str, patches, tool: str) -> str:
+    """kernels/<kernel>.py with each (anchor, replacement) of ``patches`` applied, every anchor
+    exactly once (SystemExit naming a moved anchor and the ``tool`` whose list to update)."""
+    src = open(os.path.join(ROOT, "kernels", f"{kernel}.py")).read()
+    for anchor, replacement in patches:
         if src.count(anchor) != 1:
-            raise SystemExit(f"kernels/gemm.py changed: anchor {anchor.strip()[:70]!r} found "
-                             f"{src.count(anchor)} times; update PATCHES in bench/gemm_timeline.py")
+            raise SystemExit(f"kernels/{kernel}.py changed: anchor {anchor.strip()[:70]!r} found "
+                             f"{src.count(anchor)} times; update the patches in {tool}")
         src = src.replace(anchor, replacement)
     return src
 
 
-def instrumented_module():
-    src = instrumented_source()
-    path = os.path.join(ROOT, "kernels", "_gemm_timeline.py")
+def patched_module(kernel: str, patches, tool: str):
+    """The patched kernel as module ``graphc.kernels._<kernel>_timeline`` (its file, git-ignored,
+    rewritten only when the source changed, so its compile-cache entries stay valid)."""
+    src = patched_source(kernel, patches, tool)
+    path = os.path.join(ROOT, "kernels", f"_{kernel}_timeline.py")
     if not os.path.exists(path) or open(path).read() != src:
         with open(path, "w") as f:
             f.write(src)
-    return importlib.import_module("graphc.kernels._gemm_timeline")
+    return importlib.import_module(f"graphc.kernels._{kernel}_timeline")
+
+
+def instrumented_source() -> str:
+    """kernels/gemm.py with the timer stores inserted."""
+    return patched_source("gemm", PATCHES, "bench/gemm_timeline.py")
+
+
+def instrumented_module():
+    return patched_module("gemm", PATCHES, "bench/gemm_timeline.py")
 
 
 def timeline(g, name: str, m: int, verbose: bool = True) -> dict:
