@@ -61,11 +61,14 @@ PATCHES = [
     ("                    cute.arch.mbarrier_arrive(empty + s_last)\n\n    @cute.jit\n    def store_tile(",
      "                    cute.arch.mbarrier_arrive(empty + s_last)\n"
      f"        if tidx == 0:\n            {_AT.format(3)} = {_T}\n\n    @cute.jit\n    def store_tile("),
+    # Role 1 (contributor) at arrival; the reducer overwrites it with 2. Publishing first, a
+    # contributor's "published" word stays 0 (it published before arriving).
     ("        arrived = flag[0]\n",
-     f"        arrived = flag[0]\n        if leader:\n            {_AT.format(4)} = {_T}\n"),
-    ('                cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")\n',
-     '                cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")\n'
-     f"                {_AT.format(5)} = {_T}\n                {_AT.format(7)} = Int32(1)\n"),
+     f"        arrived = flag[0]\n        if leader:\n            {_AT.format(4)} = {_T}\n"
+     f"            {_AT.format(7)} = Int32(1)\n"),
+    ('                    cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")\n',
+     '                    cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")\n'
+     f"                    {_AT.format(5)} = {_T}\n"),
     ("            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)\n            if const_expr(cfg.bulk_reduce):\n",
      "            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)\n            if leader:\n"
      f"                {_AT.format(5)} = {_T}\n                {_AT.format(7)} = Int32(2)\n"
@@ -174,7 +177,7 @@ def report(g, cfg, label: str, verbose: bool = True) -> dict:
     for r, name in ((1, "contributors"), (2, "reducers")):
         sel = last_split & (role == r)
         print(f"  {name:12s} ({int(sel.sum())}): last k-block->arrived {q((arrived - loop_end)[sel])}")
-        if r == 1:
+        if r == 1 and not cfg.publish_first:      # publishing first, it published before arriving
             print(f"  {'':12s}       arrived->published {q((ready - arrived)[sel])}, published->end {q((end - ready)[sel])}")
         else:
             print(f"  {'':12s}       arrived->partials ready {q((ready - arrived)[sel])}, ready->summed "

@@ -26,7 +26,9 @@ Structure
   fp32 partial and counts it on a second counter; the last waits for those partials (only
   ever on CTAs that already arrived, i.e. are running, so no co-residency is assumed), sums
   all partials in CTA order, its own from registers, writes y and resets both counters for
-  the next launch. The order, not the arrival, fixes the result: replays are bitwise equal.
+  the next launch. With small partials (M <= 16) and several CTAs ending in one tile, every
+  contributor publishes *before* arriving instead (``publish_first``), which saves the last
+  one a round trip. The order, not the arrival, fixes the result: replays are bitwise equal.
   When the tile is the last CTA's last (always, unless timing is pathological) and the
   others' partials fit in its drained pipeline buffers, it bulk-copies them there
   (``cp.async.bulk``, all in flight at once) and sums from shared memory; when they do not
@@ -91,7 +93,8 @@ TRIGGER = "early"
 EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
-TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs")
+TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
+                "publish_first")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
@@ -101,6 +104,7 @@ SMEM_BUDGET = 200 * 1024   # leaves room on the SM for a PDL dependent's CTAs
 SMEM_MAX = 220 * 1024      # under the 227 KB an sm_90 CTA may use (barriers, alignment)
 MAX_STAGES = 16
 Y_STAGING_MIN_MMA_N = 64   # y through shared memory from 64 batch columns (GemmConfig.y_staging)
+PUBLISH_FIRST_MAX_MMA_N = 16  # split tiles publish before arriving up to 16 batch columns (GemmConfig)
 HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these M (GemmConfig)
 DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
 # L2 eviction hint for the W stream (CUTLASS's CacheHintSm90::EVICT_FIRST): weights are read
@@ -124,7 +128,7 @@ class GemmConfig:
     def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS, *,
                  block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None,
                  stages: int | None = None, halves: int | None = None, y_staging: int | None = None,
-                 col_wgs: int | None = None):
+                 col_wgs: int | None = None, publish_first: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -256,6 +260,23 @@ class GemmConfig:
                              f"fits in shared memory)")
         self.y_staging = int(y_staging)
         self.y_held = bool(self.y_staging and self.y_places is not None)   # in the held stage
+        # Split-tile protocol (reduce_split_tile). Arrive first: a contributor learns from the
+        # arrival counter whether it is last before it publishes, so the last one never writes
+        # its partial; but one that is not last publishes only after that round trip, and the
+        # last one then polls a second counter for the publication: dependent round trips
+        # between contributors that end their ranges in the same tile, at the kernel's end.
+        # Publish first: every contributor writes its partial, then arrives with a release;
+        # whoever arrives last has acquired every partial and needs no second counter, for
+        # one more partial write per tile. Several CTAs end in one tile when a CTA's range is
+        # shorter than a tile (down, qkv, o_proj on 132 SMs; not gate_up). Measured on an H200
+        # (bench/gemm_notes.md §19): there, at M <= 8, publishing first is 1-3.5% faster
+        # (o_proj 29.3 -> 28.7 µs); from 32 rows, where a partial is >= 16 KB, it is 0.5-2%
+        # slower (10-30% at 128-256), and on gate_up 0.4% slower.
+        if publish_first is None:
+            publish_first = int(self.mma_n <= PUBLISH_FIRST_MAX_MMA_N and self.iters < self.ctas * self.k_blocks)
+        if publish_first not in (0, 1):
+            raise ValueError(f"publish_first={publish_first} unsupported: 0 or 1")
+        self.publish_first = int(publish_first)
 
     def _y_places(self) -> list[tuple[str, int]] | None:
         """Per output half: ("w", element offset into the warpgroup's W boxes of a stage) or
@@ -781,11 +802,17 @@ class DecodeGemmKernel:
                           last_tile, staged, stage_area, ybuf):
         """A tile whose k-blocks are spread over CTAs c_lo..c_hi (at most ``max_segs``).
 
-        Arrive first (``arrived[tile]``): whoever is not last publishes its fp32 partial and
-        bumps ``ready[tile]``; the last one waits for ``ready`` (only on CTAs that already
-        arrived, so it never waits on a CTA that is not running), sums all partials in CTA
-        order (its own from registers) and writes y. The order, not the arrival, fixes the
-        result, so it is deterministic. The last one also resets both counters to zero.
+        Every contributor counts its arrival on ``arrived[tile]``; the last one sums all
+        partials in CTA order (its own from registers) and writes y. The order, not the
+        arrival, fixes the result, so it is deterministic. The last one also resets the
+        counters to zero. How the others' partials reach it (``cfg.publish_first``):
+
+        * arrive first: whoever is not last then publishes its fp32 partial and bumps
+          ``ready[tile]``; the last one waits for ``ready`` (only on CTAs that already
+          arrived, so it never waits on a CTA that is not running);
+        * publish first: everyone publishes, then arrives with a release, so the last one has
+          every partial once it has read the count (one round trip fewer when two
+          contributors end together; the last one's own partial is written for nothing).
 
         Measured (per-CTA timeline, bench/gemm_notes.md §7): at M = 64 this tail was 2-23 µs,
         the largest loss of the kernel, so the partials move as 16-byte vectors, the last CTA
@@ -803,36 +830,47 @@ class DecodeGemmKernel:
         p_ready = (mCount.iterator + (cfg.tiles + tile)).llvm_ptr
         c_lo = self.cta_of(tile * cfg.k_blocks)
         c_hi = self.cta_of(tile * cfg.k_blocks + cfg.k_blocks - 1)
-        f32x4 = ir.VectorType.get([4], Float32.mlir_type)
 
         # The first barrier also keeps the leader from overwriting flag[0] before every
         # consumer has read the previous segment's value.
-        cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
-        if leader:
-            flag[0] = cute.arch.atomic_add(p_arrived, Int32(1), sem="relaxed", scope="gpu")
+        if const_expr(cfg.publish_first):
+            # Publish, then arrive: the leader's release after the barrier is cumulative over
+            # every consumer thread's stores.
+            self.publish_partial(accs, mWs, cta, tile, wg, wg_tid)
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+            if leader:
+                cute.arch.fence_acq_rel_gpu()
+                flag[0] = cute.arch.atomic_add(p_arrived, Int32(1), sem="relaxed", scope="gpu")
+        else:
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+            if leader:
+                flag[0] = cute.arch.atomic_add(p_arrived, Int32(1), sem="relaxed", scope="gpu")
         cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
         arrived = flag[0]
 
         if arrived != c_hi - c_lo:
-            # Not last: publish the partial, then one release by the leader after the barrier
-            # (cumulative over every consumer thread's stores).
-            my_slot = self.slot_of(cta, tile)
-            for h in cutlass.range_constexpr(cfg.halves):
-                for j4 in cutlass.range_constexpr(cfg.frag // 4):
-                    v = vector.from_elements(f32x4, [accs[h][4 * j4 + e].ir_value() for e in range(4)])
-                    cute.arch.store(self.ws_ptr(mWs.iterator, my_slot, wg, h, j4, wg_tid), v)
-            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
-            if leader:
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")
+            if const_expr(not cfg.publish_first):
+                # Not last: publish the partial, then one release by the leader after the
+                # barrier (cumulative over every consumer thread's stores).
+                self.publish_partial(accs, mWs, cta, tile, wg, wg_tid)
+                cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+                if leader:
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.red(p_ready, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")
         else:
             if leader:
-                # Every other contributor has arrived; wait until each has published.
-                ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
-                while ready != c_hi - c_lo:
+                if const_expr(cfg.publish_first):
+                    # Every other contributor released its partial before arriving; this
+                    # fence after reading their arrivals acquires all of them.
+                    cute.arch.fence_acq_rel_gpu()
+                else:
+                    # Every other contributor has arrived; wait until each has published.
                     ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
-                mCount[tile] = Int32(0)              # both counters back to zero for the
-                mCount[cfg.tiles + tile] = Int32(0)  # next launch; nobody else touches them
+                    while ready != c_hi - c_lo:
+                        ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
+                    mCount[cfg.tiles + tile] = Int32(0)
+                mCount[tile] = Int32(0)   # counters back to zero for the next launch; nobody
+                                          # else touches them in this one
                 if const_expr(cfg.bulk_reduce):
                     if last_tile:
                         # Our pipeline is drained: bulk-copy every other partial into it. They
@@ -866,6 +904,17 @@ class DecodeGemmKernel:
             self.discard_partials(mWs, c_lo, c_hi, cta, tile, wg, wg_tid)
 
     @cute.jit
+    def publish_partial(self, accs, mWs, cta, tile, wg, wg_tid):
+        """Store this thread's accumulators into the CTA's workspace slot for ``tile``."""
+        cfg = self.cfg
+        f32x4 = ir.VectorType.get([4], Float32.mlir_type)
+        my_slot = self.slot_of(cta, tile)
+        for h in cutlass.range_constexpr(cfg.halves):
+            for j4 in cutlass.range_constexpr(cfg.frag // 4):
+                v = vector.from_elements(f32x4, [accs[h][4 * j4 + e].ir_value() for e in range(4)])
+                cute.arch.store(self.ws_ptr(mWs.iterator, my_slot, wg, h, j4, wg_tid), v)
+
+    @cute.jit
     def discard_partials(self, mWs, c_lo, c_hi, cta, tile, wg, wg_tid):
         """Drop the other contributors' partials (read by now) from L2 without writing them
         back: dirty workspace lines would otherwise be written to HBM when something evicts
@@ -874,8 +923,10 @@ class DecodeGemmKernel:
         cfg = self.cfg
         consumers = 128 * cfg.wgs
         lines = cfg.slot_bytes // 128
+        # Publishing first, the reducer wrote its own slot too.
+        keep = Int32(-1) if cfg.publish_first else cta
         for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
-            if c != cta:
+            if c != keep:
                 base = mWs.iterator + self.slot_of(c, tile) * cfg.slot_floats
                 for line in cutlass.range(wg * 128 + wg_tid, lines, consumers, unroll=1):
                     discard_l2(base + line * 32)

@@ -54,6 +54,14 @@ TUNING_CASES = [
     (128, 1024, 5632, "silu_mul", dict()),
     (64, 1024, 1024, None, dict(halves=1)),           # 64-row units: one output half
     (200, 1024, 5632, "silu_mul", dict(y_staging=0)),  # two batch warpgroups, direct stores
+    # The split-tile protocol that is not the default there: publish first (every
+    # contributor writes its partial, then arrives) from 32 rows and on gate_up, arrive first
+    # at <= 16 rows on the few-tile shapes; bulk-copied partials, register sums, rounds.
+    (8, 8192, 7168, None, dict(publish_first=0)),
+    (1, 1024, 1024, None, dict(publish_first=0)),
+    (64, 7168, 36864, "silu_mul", dict(publish_first=1)),
+    (256, 8192, 7168, None, dict(publish_first=1)),
+    (3, 2816, 1024, None, dict(publish_first=1)),
 ]
 
 # Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for

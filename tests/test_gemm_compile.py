@@ -180,6 +180,29 @@ def test_split_reduction_paths():
     assert cfg.frag % 4 == 0 and cfg.frag % 16 != 0     # the GPU test that caught a 16-wide loop
 
 
+def test_publish_first_where_ranges_end_in_one_tile():
+    """Split tiles publish before arriving at <= 16 batch columns when a CTA's range is
+    shorter than a tile (several CTAs end in one tile), arrive first otherwise."""
+    for m in (1, 8, 16):
+        assert GemmConfig(m, 8192, 7168).publish_first == 1            # o_proj: 54 of 128 k-blocks each
+        assert GemmConfig(m, 18432, 7168).publish_first == 1           # down
+    assert GemmConfig(32, 8192, 7168).publish_first == 0               # 16 KB partials
+    assert GemmConfig(8, 7168, 36864, "silu_mul").publish_first == 0   # gate_up: 2.2 tiles each
+    assert GemmConfig(8, 8192, 7168, publish_first=0).publish_first == 0
+    with pytest.raises(ValueError, match="publish_first=2"):
+        GemmConfig(8, 8192, 7168, publish_first=2)
+
+
+@pytest.mark.parametrize("publish_first", [0, 1])
+def test_ptx_split_tile_protocol(publish_first):
+    """Arrive first polls the ready counter with acquire loads; publish first has no such
+    loop (the arrival itself, after a release fence, hands the partials over)."""
+    ptx = gemm.linear_ptx(8, 8192, 7168, None, publish_first=publish_first)
+    assert ("ld.acquire.gpu" in ptx) == (not publish_first)
+    assert ptx.count("fence.acq_rel.gpu") >= (2 if publish_first else 1)
+    assert "atom" in ptx and "discard.global.L2" in ptx
+
+
 def test_y_staging_places():
     """Where each output half's bf16 tile is staged: the warpgroup's W boxes of the held
     stage, the last half in the stage's x buffer when the W boxes are full; with two batch
