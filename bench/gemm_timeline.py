@@ -11,7 +11,7 @@ at fixed anchors (written to ``kernels/_gemm_timeline.py``, git-ignored) so the 
 kernel carries no instrumentation; if an anchor moved, this script says which. The times go
 to extra int32 words after the split-tile counters (``WORDS`` per CTA, including the phases
 of the CTA's last split-tile reduction). Each argument is ``shape:M`` with a shape
-of bench/gemm.py; the kernel runs 3 x 6 times eagerly with PDL over 6 weight copies and the
+of bench/gemm.py, or ``shape:M:knob=v,...`` with knobs of the kernel's TUNING_KNOBS; the kernel runs 3 x 6 times eagerly with PDL over 6 weight copies and the
 last call's timeline is printed (in µs from the first CTA's entry).
 """
 
@@ -112,8 +112,9 @@ def instrumented_module():
     return patched_module("gemm", PATCHES, "bench/gemm_timeline.py")
 
 
-def timeline(g, name: str, m: int, verbose: bool = True) -> dict:
-    """Run shape ``name`` at M rows alone (3 x 6 eager PDL calls) and print its last timeline."""
+def timeline(g, name: str, m: int, verbose: bool = True, tuning: dict | None = None) -> dict:
+    """Run shape ``name`` at M rows alone (3 x 6 eager PDL calls) with the knobs ``tuning``
+    and print its last timeline."""
     import torch
 
     k, n, e = bench_shapes()[name]
@@ -121,12 +122,20 @@ def timeline(g, name: str, m: int, verbose: bool = True) -> dict:
     ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
     xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
     outs = [torch.empty(m, n // 2 if e else n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    cfg = g.GemmConfig(m, k, n, e, torch.cuda.get_device_properties(0).multi_processor_count)
+    tuning = tuning or {}
+    cfg = g.GemmConfig(m, k, n, e, torch.cuda.get_device_properties(0).multi_processor_count, **tuning)
     for _ in range(3):
         for j in range(copies):
-            g.linear(xs[j], ws[j], outs[j], epilogue=e)
+            g.linear(xs[j], ws[j], outs[j], epilogue=e, **tuning)
     torch.cuda.synchronize()
     return report(g, cfg, f"{name}:{m}", verbose)
+
+
+def parse_case(arg: str) -> tuple[str, int, dict]:
+    """``shape:M`` or ``shape:M:knob=v,knob=v`` -> (shape, M, knobs)."""
+    name, m, *rest = arg.split(":")
+    tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in rest[0].split(",")} if rest and rest[0] else {}
+    return name, int(m), tuning
 
 
 def read_words(g, cfg):
@@ -192,18 +201,18 @@ def report(g, cfg, label: str, verbose: bool = True) -> dict:
 def main() -> None:
     args = sys.argv[1:]
     precompile = "--precompile" in args
-    cases = [(a.split(":")[0], int(a.split(":")[1])) for a in args if not a.startswith("--")]
+    cases = [parse_case(a) for a in args if not a.startswith("--")]
     shapes = bench_shapes()
-    if not cases or any(name not in shapes for name, _ in cases):
+    if not cases or any(name not in shapes for name, _, _ in cases):
         raise SystemExit(__doc__)
     g = instrumented_module()
-    for name, m in cases:
+    for name, m, tuning in cases:
         if precompile:
             k, n, e = shapes[name]
-            g.compile_cache().get(g.GemmConfig(m, k, n, e, 132).key())
-            print(f"compiled {name}:{m}")
+            g.compile_cache().get(g.GemmConfig(m, k, n, e, 132, **tuning).key())
+            print(f"compiled {name}:{m} {tuning}")
         else:
-            timeline(g, name, m)
+            timeline(g, name, m, tuning=tuning)
 
 
 if __name__ == "__main__":
