@@ -93,9 +93,11 @@ def _q(v) -> str:
     return f"min {v.min():6.2f}  median {v.median():6.2f}  max {v.max():6.2f}"
 
 
-def link_timeline(g, ar, m: int) -> dict:
-    """Run the chain at M rows (a CUDA graph of 24 links, replayed), print and return the
+def link_timeline(g, ar, m: int, knobs: dict | None = None) -> dict:
+    """Run the chain at M rows (a CUDA graph of 24 links, replayed) with the GEMM built with
+    ``knobs`` (TUNING_KNOBS of kernels/gemm.py, besides l2_prefetch), print and return the
     timeline of links 21 -> 22."""
+    knobs = knobs or {}
     t = chain_inputs(m)
     ctas = ar.cluster_shape(D)[0]
     words = [torch.zeros(m * ctas * ATTN_RES_WORDS, dtype=torch.int32, device="cuda") for _ in range(LINKS)]
@@ -109,7 +111,7 @@ def link_timeline(g, ar, m: int) -> dict:
                          t.query.data_ptr(), t.out_norm.data_ptr(), t.xs[i].data_ptr(), 0,
                          words[i].data_ptr(), 0, m, NB, -1, EPS, EPS, stream.cuda_stream, True])
             g.linear(t.xs[i], t.ws[i % t.copies], t.ys[i + 1], stream=stream, use_pdl=True,
-                     l2_prefetch=l2_prefetch_of(i))
+                     l2_prefetch=l2_prefetch_of(i), **knobs)
 
     graph = capture_graph(chain)
     for _ in range(5):
@@ -121,7 +123,7 @@ def link_timeline(g, ar, m: int) -> dict:
     end.synchronize()
 
     def gemm_words(link):
-        cfg = g.GemmConfig(m, D, D, None, 132, l2_prefetch=l2_prefetch_of(link))
+        cfg = g.GemmConfig(m, D, D, None, 132, l2_prefetch=l2_prefetch_of(link), **knobs)
         w = g._workspace(cfg, torch.device("cuda", torch.cuda.current_device()))[1]
         return w[2 * cfg.tiles:].view(cfg.ctas, gemm_timeline.WORDS).cpu().long()
 
@@ -137,34 +139,41 @@ def link_timeline(g, ar, m: int) -> dict:
         "GEMM n+1: last k-block": _rel(after[:, 2], t0), "GEMM n+1: end": _rel(after[:, 3], t0),
     }
     link_us = start.elapsed_time(end) * 1e3 / LINKS
-    print(f"M = {m}: {link_us:.2f} µs per link; AttnRes {m * ctas} CTAs; µs from GEMM n's last CTA end")
+    print(f"M = {m}{' ' + str(knobs) if knobs else ''}: {link_us:.2f} µs per link; AttnRes {m * ctas} CTAs; "
+          "µs from GEMM n's last CTA end")
     for name, v in rows.items():
         print(f"  {name:30s} {_q(v)}")
     late = rows["GEMM n+1: entry"] > 1.0
     print(f"  GEMM n+1 CTAs entering > 1 µs after GEMM n's end: {int(late.sum())}"
           + (f" (SMs {sorted(after[late, 8].tolist())})" if 0 < int(late.sum()) <= 16 else ""), flush=True)
-    return {"m": m, "link_us": link_us, **{k: v.tolist() for k, v in rows.items()}}
+    return {"m": m, "knobs": knobs, "link_us": link_us, **{k: v.tolist() for k, v in rows.items()}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,8,64", help="batch rows, comma-separated")
     ap.add_argument("--rounds", type=int, default=1, help="timelines per M (single launches are noisy)")
+    ap.add_argument("--gemm", action="append", default=[], metavar="KNOB=V,...",
+                    help="also time the chain with the GEMM built with these knobs (repeatable), "
+                         "e.g. publish_first=0")
     ap.add_argument("--precompile", action="store_true", help="only compile the instrumented kernels")
     args = ap.parse_args()
     ms = [int(v) for v in args.m.split(",")]
+    variants = [{}] + [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",")} for v in args.gemm]
     g = gemm_timeline.instrumented_module()
     ar = attn_res_module()
     if args.precompile:
         ar.compile_cache().get(ar.static_key(D, NB, True, False))
         for m in ms:
-            for pf in (6, 7, 8):
-                g.compile_cache().get(g.GemmConfig(m, D, D, None, 132, l2_prefetch=pf).key())
+            for knobs in variants:
+                for pf in (6, 7, 8):
+                    g.compile_cache().get(g.GemmConfig(m, D, D, None, 132, l2_prefetch=pf, **knobs).key())
             print(f"compiled M = {m}")
         return
     for _ in range(args.rounds):
         for m in ms:
-            link_timeline(g, ar, m)
+            for knobs in variants:
+                link_timeline(g, ar, m, knobs)
 
 
 if __name__ == "__main__":

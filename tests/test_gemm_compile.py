@@ -294,11 +294,15 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     for dim, coords in tma:
         assert dim == "2d" and len(coords) == 2, f"TMA load .{dim} with coordinates {coords}"
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.mma_n}k16.f32.bf16.bf16" in ptx
-    # Split-K reduction: arrival counter, release (fence + red) / acquire publication, partials
+    # Split-K reduction: an arrival counter; arrive first: release (fence + red) / acquire
+    # (polling loads) of the publication; publish first: one acquire-release arrival. Partials
     # stored and loaded (L2 only) as 16-byte vectors.
-    assert "atom.global" in ptx and re.search(r"red(\.relaxed)?\.gpu\.global\.add", ptx)
-    assert "fence.acq_rel.gpu" in ptx
-    assert "ld.acquire.gpu" in ptx
+    if cfg.publish_first:
+        assert "atom.global.acq_rel.add" in ptx
+    else:
+        assert "atom.global" in ptx and re.search(r"red(\.relaxed)?\.gpu\.global\.add", ptx)
+        assert "fence.acq_rel.gpu" in ptx
+        assert "ld.acquire.gpu" in ptx
     assert re.search(r"ld\.global\.cg\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx)
     assert not re.search(r"ld\.global\.cg\.(f32|b32)", ptx), "scalar partial loads"
     # PDL: the trigger comes first; before the first wait the only global traffic is the
