@@ -61,7 +61,6 @@ TUNING_CASES = [
     (1, 1024, 1024, None, dict(publish_first=0)),
     (64, 7168, 36864, "silu_mul", dict(publish_first=1)),
     (256, 8192, 7168, None, dict(publish_first=1)),
-    (3, 2816, 1024, None, dict(publish_first=1)),
 ]
 
 # Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for
