@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 import gemm_timeline  # noqa: E402  (bench/gemm_timeline.py)
 from chain import D, EPS, LINKS, NB, capture_graph, chain_inputs  # noqa: E402  (bench/chain.py)
+from gemm import parse_tunings  # noqa: E402  (bench/gemm.py)
 
 ATTN_RES_WORDS = 8      # entry, pre done, wait passed, end, smid, loaded, computed, (unused)
 _T = "cute.arch.globaltimer_lo()"
@@ -153,13 +154,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,8,64", help="batch rows, comma-separated")
     ap.add_argument("--rounds", type=int, default=1, help="timelines per M (single launches are noisy)")
-    ap.add_argument("--gemm", action="append", default=[], metavar="KNOB=V,...",
-                    help="also time the chain with the GEMM built with these knobs (repeatable), "
-                         "e.g. publish_first=0")
+    ap.add_argument("--gemm", type=parse_tunings, default=[], metavar="KNOB=V,...;...",
+                    help="also time the chain with the GEMM built with each of these knob sets "
+                         "(bench/gemm.py --tunings syntax), e.g. publish_first=0")
     ap.add_argument("--precompile", action="store_true", help="only compile the instrumented kernels")
     args = ap.parse_args()
     ms = [int(v) for v in args.m.split(",")]
-    variants = [{}] + [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",")} for v in args.gemm]
+    variants = [{}] + [tuning for _, tuning in args.gemm]
     g = gemm_timeline.instrumented_module()
     ar = attn_res_module()
     if args.precompile:

@@ -132,10 +132,14 @@ def timeline(g, name: str, m: int, verbose: bool = True, tuning: dict | None = N
 
 
 def parse_case(arg: str) -> tuple[str, int, dict]:
-    """``shape:M`` or ``shape:M:knob=v,knob=v`` -> (shape, M, knobs)."""
+    """``shape:M`` or ``shape:M:knob=v,knob=v`` -> (shape, M, knobs), the knobs read (and
+    checked) as one alternative of bench/gemm.py's ``--tunings``."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gemm import parse_tunings
+
     name, m, *rest = arg.split(":")
-    tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in rest[0].split(",")} if rest and rest[0] else {}
-    return name, int(m), tuning
+    alternatives = parse_tunings(rest[0]) if rest else []
+    return name, int(m), alternatives[0][1] if alternatives else {}
 
 
 def read_words(g, cfg):
