@@ -119,7 +119,7 @@ def parse_tunings(text: str) -> list[tuple[str, dict]]:
         tuning = {}
         for kv in item.split(","):
             knob, _, value = kv.partition("=")
-            knobs = ("ctas", *gemm.TUNING_KNOBS)
+            knobs = ("ctas", *gemm.LINEAR_KNOBS)
             if knob.strip() not in knobs or not value.strip().isdigit():
                 raise SystemExit(f"--tunings: {kv!r} is not knob=integer with knob one of {', '.join(knobs)}")
             tuning[knob.strip()] = int(value)
@@ -134,7 +134,7 @@ def variants(m: int, k: int, n: int, epilogue, explicit=None) -> list[tuple[str,
     out = []
     for label, tuning in explicit or variant_tunings(base):
         try:
-            gemm.GemmConfig(m, k, n, epilogue, **{"ctas": sms, **tuning})
+            gemm.plan(m, k, n, epilogue, **{"ctas": sms, **tuning})
         except ValueError:
             continue
         out.append((label, tuning))
@@ -203,7 +203,7 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
     if epilogue == "silu_mul":
         row["cublas_act_s"] = per_call(cublas(True))
     row["floor_s"] = max(row["floor_bytes_s"], row["floor_flops_s"])
-    row["config"] = repr(gemm.GemmConfig(m, k, n, epilogue, torch.cuda.get_device_properties(0).multi_processor_count))
+    row["config"] = repr(gemm.plan(m, k, n, epilogue, torch.cuda.get_device_properties(0).multi_processor_count))
     return row
 
 

@@ -1,14 +1,19 @@
-"""One decode-GEMM launch per (shape, M) for Nsight Compute to profile.
+"""One decode-GEMM launch per (shape, M) for Nsight Compute to profile, optionally beside
+cuBLAS's (torch.matmul) for the same problem.
 
-    source .gpu/setup.sh && ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \\
-        --section WarpStateStats -k regex:kernel python3 bench/gemm_ncu.py o_proj:8 o_proj:64
+    source .gpu/setup.sh && ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight \\
+        --section ComputeWorkloadAnalysis --section WarpStateStats \\
+        python3 bench/gemm_ncu.py --cublas o_proj:8 o_proj:256
 
-Each argument is ``shape:M`` with a shape name of bench/gemm.py's BIG_SHAPES. The kernel is
-warmed up (compiled, workspace allocated) and then launched once more, without PDL.
+Each argument is ``shape:M`` with a shape name of bench/gemm.py's BIG_SHAPES. Every kernel is
+warmed up (compiled, workspace allocated) and then launched once more, without PDL, inside an
+NVTX range named ``profile`` (so ``--nvtx-include "profile/"`` skips the set-up kernels).
+cuBLAS's launch is the bf16 projection alone (no silu * up kernel after it).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -23,15 +28,36 @@ from gemm import BIG_SHAPES  # noqa: E402  (bench/gemm.py)
 
 SHAPES = {name: (k, n, e) for name, k, n, e in BIG_SHAPES}
 
-for arg in sys.argv[1:]:
-    name, m = arg.split(":")
-    k, n, epi = SHAPES[name]
-    m = int(m)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
-    out = torch.empty(m, n // 2 if epi else n, device="cuda", dtype=torch.bfloat16)
-    gemm.linear(x, w, out, epilogue=epi, use_pdl=False)
+
+def profiled(launch) -> None:
+    """Warm ``launch`` up, then run it once inside the ``profile`` NVTX range."""
+    launch()
     torch.cuda.synchronize()
-    gemm.linear(x, w, out, epilogue=epi, use_pdl=False)
+    torch.cuda.nvtx.range_push("profile")
+    launch()
     torch.cuda.synchronize()
-    print(arg, gemm.GemmConfig(m, k, n, epi, torch.cuda.get_device_properties(0).multi_processor_count))
+    torch.cuda.nvtx.range_pop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cases", nargs="+", metavar="shape:M")
+    ap.add_argument("--cublas", action="store_true", help="also profile torch.matmul per case")
+    args = ap.parse_args()
+    for arg in args.cases:
+        name, m = arg.split(":")
+        k, n, epi = SHAPES[name]
+        m = int(m)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        out = torch.empty(m, n // 2 if epi else n, device="cuda", dtype=torch.bfloat16)
+        profiled(lambda: gemm.linear(x, w, out, epilogue=epi, use_pdl=False))
+        print(arg, gemm.GemmConfig(m, k, n, epi, torch.cuda.get_device_properties(0).multi_processor_count))
+        if args.cublas:
+            projection = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            profiled(lambda: torch.matmul(x, w.t(), out=projection))
+            print(arg, "cuBLAS (torch.matmul)")
+
+
+if __name__ == "__main__":
+    main()

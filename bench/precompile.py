@@ -8,7 +8,8 @@ them instead of spending its time in the compiler.
 
 ``--lean --prune`` compiles only what the GPU tests, `graphc bench` and `bench/gemm.py
 --no-variants` need and deletes every other object of these kernels from the cache (older
-sources included): about 8 MB, which fits beside the GPU bundle under the carry limit.
+sources included): about 9 MB, which fits beside the GPU bundle under the carry limit only
+just (move the attention's objects out for a GEMM-only session).
 
 The cache key includes the DSL's CUDA runtime build (cu12 / cu13), so compile with the same
 build the GPU machine runs: the GPU bundle's (cu13) under a Python 3.12 that has numpy and
@@ -52,10 +53,11 @@ def shipped_ops(op_type) -> list:
 
 
 def kernel_modules() -> dict:
-    """Compile-cache name -> kernel module, for the three CuTe DSL kernels this tool compiles."""
-    from graphc.kernels import attn_res, decode_attention_tma, gemm
+    """Compile-cache name -> kernel module, for the CuTe DSL kernels this tool compiles: the two
+    decode GEMMs (stream-K and whole-K tiles), AttnRes and the attention."""
+    from graphc.kernels import attn_res, decode_attention_tma, gemm, gemm_wide
 
-    return {m.compile_cache().name: m for m in (gemm, attn_res, decode_attention_tma)}
+    return {m.compile_cache().name: m for m in (gemm, gemm_wide, attn_res, decode_attention_tma)}
 
 
 def spec_linear_shapes() -> set[tuple]:
@@ -66,14 +68,15 @@ def spec_linear_shapes() -> set[tuple]:
 
 
 def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tuple]:
-    """Keys of the decode-GEMM variants to compile. ``lean``: only the GPU tests' cases, the
+    """Jobs (compile-cache name, key) of the decode-GEMM variants to compile, each through
+    kernels/gemm.py's ``plan`` (the stream-K kernel or the whole-K tiles of gemm_wide.py). ``lean``: only the GPU tests' cases, the
     spec shapes at the step's batch sizes (up to 64 rows) and bench/gemm.py's rows with their
     default tuning (no knob variants, no chain): what a GPU session needs for the tests,
     `graphc bench` and `bench/gemm.py --no-variants`, small enough to travel with the GPU bundle."""
     import gemm_shapes as t
     from gemm_shapes import SPEC_SHAPES
 
-    from graphc.kernels.gemm import GemmConfig
+    from graphc.kernels.gemm import GemmConfig, cache_of, plan
 
     wanted = [(m, k, n, e, {}) for m, k, n, e in t.reference_cases()]
     wanted += list(t.TUNING_CASES)
@@ -99,15 +102,16 @@ def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tupl
     for m in () if lean else (1, 8, 64):             # bench/chain.py
         for pf in (None, 0, 16):
             wanted.append((m, 7168, 7168, None, {"l2_prefetch": pf}))
-    keys = []
+    jobs = []
     for m, k, n, e, tuning in wanted:
         try:
-            key = GemmConfig(m, k, n, e, **{"ctas": H200_SMS, **tuning}).key()
+            cfg = plan(m, k, n, e, **{"ctas": H200_SMS, **tuning})
         except ValueError:
             continue                                 # an illegal variant: the bench skips it too
-        if key not in keys:
-            keys.append(key)
-    return keys
+        job = (cache_of(cfg).name, cfg.key())
+        if job not in jobs:
+            jobs.append(job)
+    return jobs
 
 
 def attention_configs() -> list[tuple]:
@@ -146,7 +150,7 @@ def attn_res_configs() -> list[tuple]:
 
 
 def prune(jobs: list[tuple]) -> tuple[int, int]:
-    """Delete the cache's objects of these three kernels that no job names (older sources,
+    """Delete the cache's objects of these kernels that no job names (older sources,
     variants not asked for); returns (files, bytes) removed. A job is (compile-cache name, key)."""
     modules = kernel_modules()
     wanted = {modules[name].compile_cache().path(key).name for name, key in jobs}
@@ -179,12 +183,12 @@ def main() -> None:
     args = ap.parse_args()
     from gemm import parse_tunings                   # bench/gemm.py
 
-    gemm_keys = gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m], args.lean)
-    jobs = ([("gemm", k) for k in gemm_keys] + [("attn_res", k) for k in attn_res_configs()]
-            + [("attention", k) for k in attention_configs()])
-    counts = {kind: sum(j[0] == kind for j in jobs) for kind in ("gemm", "attn_res", "attention")}
-    print(f"{counts['gemm']} decode-GEMM, {counts['attn_res']} AttnRes and {counts['attention']} attention "
-          f"variants -> {os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
+    jobs = (gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m], args.lean)
+            + [("attn_res", k) for k in attn_res_configs()] + [("attention", k) for k in attention_configs()])
+    counts = {kind: sum(j[0] == kind for j in jobs) for kind in ("gemm", "gemm_wide", "attn_res", "attention")}
+    print(f"{counts['gemm']} stream-K and {counts['gemm_wide']} whole-K decode-GEMM, {counts['attn_res']} "
+          f"AttnRes and {counts['attention']} attention variants -> "
+          f"{os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool:
         for i, (job, secs) in enumerate(zip(jobs, pool.map(_compile, jobs)), 1):

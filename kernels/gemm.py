@@ -4,6 +4,11 @@ Decode is weight-bandwidth bound: for M <= 64 the kernel's job is to stream W (N
 read once) from HBM at full speed, and to start streaming it *before* ``griddepcontrol.wait``
 so that under PDL it overlaps the previous kernel. Reasoning and numbers: bench/gemm_notes.md.
 
+Which kernel runs: ``plan``. This module's stream-K kernel is the default; for plain shapes
+from 240 batch rows whose whole-K output tiles fill one wave of the SMs (down, qkv, o_proj at
+240-256 rows), ``linear`` runs kernels/gemm_wide.py instead (x as wgmma's A operand, W tiles
+sized so the tile count matches the SMs, no K split; bench/gemm_notes.md §21).
+
 Structure
 ---------
 * **Swap AB**: the kernel computes ``y^T = W x^T`` with wgmma. W is the A operand (its N rows
@@ -83,6 +88,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from . import gemm_wide
 from .compile_cache import CompileCache
 
 # PDL traits of this op, read by the scheduler (DESIGN §4).
@@ -1123,9 +1129,43 @@ def _workspace(cfg: GemmConfig, device):
     return ws
 
 
+# Every knob ``plan`` (and so ``linear``) accepts besides ``ctas``.
+LINEAR_KNOBS = ("wide", *TUNING_KNOBS, *(k for k in gemm_wide.TUNING_KNOBS if k not in TUNING_KNOBS))
+
+
+def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS, **tuning):
+    """The kernel configuration ``linear`` runs for this call: the stream-K GemmConfig, or from
+    WIDE_MIN_M batch rows on plain shapes the whole-K tiles of kernels/gemm_wide.py
+    (``gemm_wide.default_applies``). ``tuning``: ``wide`` (0 / 1: force one kernel), knobs of
+    TUNING_KNOBS (which imply the stream-K kernel) or of gemm_wide.TUNING_KNOBS (which imply
+    the whole-K one; ``stages`` belongs to both and implies neither)."""
+    wide = tuning.pop("wide", None)
+    stream_k_knobs = set(tuning) - set(gemm_wide.TUNING_KNOBS)
+    wide_only_knobs = set(tuning) - set(TUNING_KNOBS)
+    if wide is None:
+        wide = int(bool(wide_only_knobs) or (not stream_k_knobs and gemm_wide.default_applies(m, n, epilogue, ctas)))
+    if wide not in (0, 1):
+        raise ValueError(f"wide={wide} unsupported: 0 or 1")
+    if wide:
+        if epilogue is not None:
+            raise ValueError(f"wide=1 unsupported with epilogue={epilogue!r} (plain shapes only)")
+        if stream_k_knobs:
+            raise ValueError(f"{', '.join(sorted(stream_k_knobs))}: knobs of the stream-K kernel, not of wide=1")
+        check_shape(m, k, n, epilogue)
+        return gemm_wide.WideGemmConfig(m, k, n, ctas, **tuning)
+    if wide_only_knobs:
+        raise ValueError(f"{', '.join(sorted(wide_only_knobs))}: knobs of wide=1 only")
+    return GemmConfig(m, k, n, epilogue, ctas, **tuning)
+
+
+def cache_of(cfg):
+    """The compile cache that holds ``cfg``'s kernel (``plan``'s two kernels have one each)."""
+    return gemm_wide.compile_cache() if isinstance(cfg, gemm_wide.WideGemmConfig) else _CACHE
+
+
 @functools.lru_cache(maxsize=None)
-def _config(m: int, k: int, n: int, epilogue: str | None, ctas: int, tuning: tuple) -> GemmConfig:
-    return GemmConfig(m, k, n, epilogue, ctas, **dict(tuning))
+def _config(m: int, k: int, n: int, epilogue: str | None, ctas: int, tuning: tuple):
+    return plan(m, k, n, epilogue, ctas, **dict(tuning))
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -1190,17 +1230,24 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
     [gate; up] matrix). Launches on ``stream`` (default: the current stream at call time) with
     the PDL attribute when ``use_pdl``. Capturable in a CUDA graph once it has been called
     outside capture for this shape (that first call allocates the split-K workspace).
-    ``ctas`` (the persistent grid; None: one CTA per SM) and ``tuning`` (knobs of TUNING_KNOBS)
-    are for the benchmark (bench/gemm.py); leave them unset."""
+    ``ctas`` (the persistent grid; None: one CTA per SM) and ``tuning`` (``plan``'s knobs) are
+    for the benchmark (bench/gemm.py); leave them unset. Which kernel runs: ``plan``."""
     import torch
 
     m, k, n = validate(x, weight, out, epilogue)
     device = weight.device
     cfg = _config(m, k, n, epilogue, ctas or _sm_count(device), tuple(sorted(tuning.items())))
-    fn = _CACHE.get(cfg.key())
-    partials, counters = _workspace(cfg, device)
     if stream is None:
         stream = torch.cuda.current_stream(device)
+    if isinstance(cfg, gemm_wide.WideGemmConfig):
+        # No workspace to allocate, but loading the kernel is no work for a capture either.
+        if cfg.key() not in gemm_wide.compile_cache() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"linear: first call of {cfg} happened during CUDA graph capture; call "
+                               "it once before capturing (warm-up) so its kernel is loaded outside the graph")
+        gemm_wide.launch(cfg, x, weight, out, stream, use_pdl)
+        return
+    fn = _CACHE.get(cfg.key())
+    partials, counters = _workspace(cfg, device)
     fn(
         x.data_ptr(), weight.data_ptr(), out.data_ptr(), partials.data_ptr(), counters.data_ptr(),
         cuda.CUstream(stream.cuda_stream), bool(use_pdl),

@@ -48,9 +48,9 @@ TUNING_CASES = [
     (64, 8192, 7168, None, dict(y_staging=0)),
     (8, 1024, 5632, "silu_mul", dict(y_staging=1)),
     (128, 8192, 7168, None, dict(halves=2)),          # the second output half in the x buffer
-    (128, 8192, 7168, None, dict()),                  # a 64-row half per warpgroup (65-200 rows)
-    (200, 7168, 10240, None, dict()),                 # ... N = 208: a short last reduction chunk
-    (129, 1024, 1536, None, dict()),
+    (128, 8192, 7168, None, dict(wide=0)),            # a 64-row half per warpgroup (65-200 rows)
+    (200, 7168, 10240, None, dict(wide=0)),           # ... N = 208: a short last reduction chunk
+    (129, 1024, 1536, None, dict(wide=0)),
     (128, 1024, 5632, "silu_mul", dict()),
     (64, 1024, 1024, None, dict(halves=1)),           # 64-row units: one output half
     (200, 1024, 5632, "silu_mul", dict(y_staging=0)),  # two batch warpgroups, direct stores
@@ -61,6 +61,24 @@ TUNING_CASES = [
     (1, 1024, 1024, None, dict(publish_first=0)),
     (64, 7168, 36864, "silu_mul", dict(publish_first=1)),
     (256, 8192, 7168, None, dict(publish_first=1)),
+    # Whole-K tiles (kernels/gemm_wide.py), the default for plain shapes from 240 rows when
+    # one wave of 128-row batch tiles fills the SMs: 64-row batch tiles, several tiles per CTA
+    # (a persistent loop), a padded batch tile, forced at few rows, a shallow pipeline, pairs
+    # of CTAs sharing W, x boxes moved back from past row M; and the stream-K kernel where the
+    # whole-K one is the default.
+    (128, 8192, 7168, None, dict(wide=1)),
+    (200, 1024, 4096, None, dict(wide=1, n_tile=16)),
+    (256, 1024, 4096, None, dict(wide=1, batch_tile=64, n_tile=32)),
+    (8, 8192, 7168, None, dict(wide=1)),
+    (1, 1024, 1024, None, dict(wide=1)),
+    (3, 2816, 1024, None, dict(wide=1, batch_tile=128, n_tile=64)),
+    (256, 8192, 7168, None, dict(wide=1, stages=3)),
+    (256, 8192, 7168, None, dict(wide=1, cluster=2)),  # W multicast in pairs of CTAs
+    (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=2)),
+    (160, 8192, 7168, None, dict(wide=1)),            # x boxes moved back from past row M
+    (70, 1024, 1024, None, dict(wide=1, batch_tile=128)),
+    (256, 8192, 7168, None, dict(wide=0)),
+    (256, 7168, 10240, None, dict(wide=0)),
 ]
 
 # Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for

@@ -114,29 +114,40 @@ def test_attention_timeline_compiles_and_summarises():
 
 def test_precompile_lean_list_and_prune(tmp_path, monkeypatch):
     """bench/precompile.py --lean names the GPU tests' GEMM cases and the step's shapes up to
-    64 rows, and no knob variants; --prune deletes only objects of its three kernels that the
+    64 rows, and no knob variants; --prune deletes only objects of its kernels that the
     list does not name."""
     from graphc.kernels import gemm
-    from graphc.kernels.gemm import GemmConfig
 
     monkeypatch.syspath_prepend(str(BENCH))                  # precompile imports bench/gemm.py
     monkeypatch.syspath_prepend(str(BENCH.parent / "tests"))  # and tests/gemm_shapes.py
     precompile = _load("precompile")
     import gemm_shapes
 
+    def job(m, k, n, e, **tuning):
+        cfg = gemm.plan(m, k, n, e, 132, **tuning)
+        return gemm.cache_of(cfg).name, cfg.key()
+
     lean, full = precompile.gemm_configs(lean=True), precompile.gemm_configs()
-    cases = {GemmConfig(m, k, n, e, 132).key() for m, k, n, e in gemm_shapes.reference_cases()}
-    assert cases <= set(lean)
-    assert GemmConfig(64, 7168, 10240, None, 132).key() in lean        # qkv at 64 rows (graphc bench)
+    assert {job(*case) for case in gemm_shapes.reference_cases()} <= set(lean)
+    assert job(64, 7168, 10240, None) == ("gemm", gemm.GemmConfig(64, 7168, 10240, None, 132).key())
+    assert job(64, 7168, 10240, None) in lean                          # qkv at 64 rows (graphc bench)
+    assert job(256, 8192, 7168, None)[0] == "gemm_wide" and job(256, 8192, 7168, None) in lean
     assert len(lean) < len(full)
-    defaults = [k for k in lean if k == GemmConfig(*k[:4], 132).key()]     # (m, k, n, epilogue) first
-    assert len(lean) - len(defaults) <= len(gemm_shapes.TUNING_CASES)      # knob variants: the tests' only
+    from gemm import BIG_SHAPES as BENCH_SHAPES                         # bench/gemm.py's rows
+
+    shapes = ({(k, n, e) for k, n, e in gemm_shapes.SPEC_SHAPES} | precompile.spec_linear_shapes()
+              | {(k, n, e) for _, k, n, e in BENCH_SHAPES}
+              | {(k, n, e) for _, k, n, e in [*gemm_shapes.reference_cases(), *gemm_shapes.OTHER_CASES]})
+    defaults = {job(m, k, n, e) for m in range(1, 257) for k, n, e in shapes}
+    assert len(set(lean) - defaults) <= len(gemm_shapes.TUNING_CASES)  # knob variants: the tests' only
 
     monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
-    keep = gemm.compile_cache().path(lean[0])
-    for name in (keep.name, "gemm-0123.o", "attention-4567.o", "gemm_timeline-89ab.o", "notes.txt"):
+    assert lean[0][0] == "gemm"
+    keep = gemm.compile_cache().path(lean[0][1])
+    for name in (keep.name, "gemm-0123.o", "gemm_wide-0123.o", "attention-4567.o", "gemm_timeline-89ab.o",
+                 "notes.txt"):
         (tmp_path / name).write_bytes(b"x" * 10)
-    assert precompile.prune([("gemm", lean[0])]) == (2, 20)
+    assert precompile.prune([lean[0]]) == (3, 30)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([keep.name, "gemm_timeline-89ab.o", "notes.txt"])
 
 

@@ -471,3 +471,100 @@ def test_timeline_instrumentation_still_applies():
     src = timeline.instrumented_source()
     ast.parse(src)
     assert src.count("globaltimer_lo()") == 8 and 'CompileCache("gemm_timeline"' in src
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole-K tiles of kernels/gemm_wide.py, and which kernel ``linear`` runs (gemm.plan).
+# ------------------------------------------------------------------------------------------------
+from graphc.kernels import gemm_wide  # noqa: E402
+from graphc.kernels.gemm_wide import WideGemmConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("m, k, n, tile, ctas, default", [
+    (256, 8192, 7168, (128, 112), 128, True),       # o_proj: cuBLAS's own choice there (ncu)
+    (256, 18432, 7168, (128, 112), 128, True),      # down
+    (256, 7168, 10240, (128, 160), 128, True),      # qkv
+    (128, 8192, 7168, (64, 112), 128, False),       # 128 x 56: an odd number of 8-row atoms
+    (128, 7168, 10240, (128, 80), 128, False),      # below WIDE_MIN_M
+    (128, 7168, 163840, (128, 256), 132, False),    # lm_head: 640 tiles, 5 waves of a persistent grid
+    (200, 8192, 7168, (128, 112), 128, False),      # the second batch tile padded
+    (240, 8192, 7168, (128, 112), 128, True),
+])
+def test_wide_tile_choice(m, k, n, tile, ctas, default):
+    cfg = WideGemmConfig(m, k, n, 132)
+    assert isinstance(gemm.plan(m, k, n, None, 132), WideGemmConfig) == default
+    assert (cfg.batch_tile, cfg.n_tile) == tile and cfg.ctas == ctas and cfg.cluster == 1
+    assert WideGemmConfig.wave_fill(m, n, 132, *tile) >= gemm_wide.WIDE_MIN_FILL
+    # Every tile computed once, by the CTAs in turn.
+    done = sorted(t for c in range(cfg.ctas) for t in cfg.tiles_of(c))
+    assert done == list(range(cfg.tiles))
+    assert cfg.stages * cfg.stage_bytes <= gemm_wide.SMEM_BUDGET
+
+
+def test_plan_routes_between_the_two_kernels():
+    # Below WIDE_MIN_M, with the fused activation, or with a stream-K knob: the stream-K kernel.
+    assert isinstance(gemm.plan(64, 8192, 7168, None, 132), GemmConfig)
+    assert isinstance(gemm.plan(256, 7168, 36864, "silu_mul", 132), GemmConfig)
+    assert isinstance(gemm.plan(256, 8192, 7168, None, 132, publish_first=1), GemmConfig)
+    assert isinstance(gemm.plan(256, 8192, 7168, None, 132, wide=0), GemmConfig)
+    assert isinstance(gemm.plan(8, 8192, 7168, None, 132, wide=1), WideGemmConfig)
+    assert gemm.plan(256, 8192, 7168, None, 132, cluster=2).cluster == 2
+    with pytest.raises(ValueError, match="cluster=2 unsupported"):
+        gemm.plan(128, 7168, 10240, None, 132, cluster=2)      # one batch tile: no pair
+    wide = gemm.plan(256, 8192, 7168, None, 132, n_tile=224, stages=3)
+    assert (wide.n_tile, wide.stages, wide.batch_tile) == (224, 3, 128)
+    assert gemm.cache_of(wide) is gemm_wide.compile_cache() and gemm.cache_of(gemm.plan(8, 1024, 1024)) is gemm.compile_cache()
+    # A few tiles on many SMs: the waves would be mostly idle, so stream-K stays.
+    assert isinstance(gemm.plan(128, 1024, 1536, None, 132), GemmConfig)
+    with pytest.raises(ValueError, match="plain shapes only"):
+        gemm.plan(256, 7168, 36864, "silu_mul", 132, wide=1)
+    with pytest.raises(ValueError, match="publish_first.*stream-K"):
+        gemm.plan(256, 8192, 7168, None, 132, wide=1, publish_first=1)
+    with pytest.raises(ValueError, match="n_tile.*wide=1 only"):
+        gemm.plan(256, 8192, 7168, None, 132, wide=0, n_tile=112)
+    with pytest.raises(ValueError, match="n_tile=120 unsupported"):
+        gemm.plan(256, 8192, 7168, None, 132, n_tile=120)
+    with pytest.raises(ValueError, match="batch_tile=32 unsupported"):
+        gemm.plan(256, 8192, 7168, None, 132, batch_tile=32)
+    with pytest.raises(ValueError, match="1 <= M <= 256"):
+        gemm.plan(300, 8192, 7168, None, 132, wide=1)
+    with pytest.raises(ValueError, match="wide=2 unsupported"):
+        gemm.plan(256, 8192, 7168, None, 132, wide=2)
+    key = gemm.plan(200, 1024, 4096, None, 132, wide=1, n_tile=16).key()
+    assert WideGemmConfig.from_key(key).key() == key
+
+
+@pytest.mark.parametrize("m, k, n, tuning", [
+    (256, 8192, 7168, {}),
+    (200, 8192, 7168, {"cluster": 2}),
+    (128, 7168, 163840, {}),                  # several tiles per CTA
+    (3, 2816, 1024, {"n_tile": 64, "batch_tile": 128}),
+])
+def test_wide_ptx(m, k, n, tuning):
+    cfg = gemm.plan(m, k, n, None, 132, wide=1, **tuning)
+    ptx = _wide_ptx(cfg)
+    assert ".target sm_90a" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.n_tile}k16.f32.bf16.bf16" in ptx
+    tma = _tma_loads(ptx)
+    assert tma and all(dim == "2d" and len(coords) == 2 for dim, coords in tma)
+    # PDL: trigger first; before the wait only the W loads, with the evict-first hint.
+    trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+    assert trigger < ptx.index("cp.async.bulk.tensor") < wait
+    prologue = ptx[:wait]
+    for op in ("ld.global", "st.global", "atom.", "red."):
+        assert not re.search(r"(?<![\w.])" + re.escape(op), prologue), f"{op} before griddepcontrol.wait"
+    w_regs = {r for r, v in re.findall(r"mov\.b64\s+(%rd\d+),\s*(\d+);", prologue) if int(v) == EVICT_FIRST}
+    loads = [line for line in prologue.splitlines() if "cp.async.bulk.tensor" in line]
+    assert loads and all(line.rstrip(";").split(",")[-1].strip() in w_regs for line in loads)
+    # No split K: no workspace, no counters, no atomics anywhere.
+    assert not re.search(r"(?<![\w.])(atom|red)\.", ptx)
+    # Clusters of two: W multicast into both CTAs, stages released in both.
+    assert ("multicast::cluster" in ptx) == (cfg.cluster == 2)
+    assert ("mbarrier.arrive.shared::cluster" in ptx) == (cfg.cluster == 2)
+
+
+def _wide_ptx(cfg) -> str:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as dump_dir:
+        return gemm_wide.compile_wide(cfg, options=f"--keep-ptx --dump-dir {dump_dir}").__ptx__

@@ -117,19 +117,21 @@ def _capture(fn, warmup: bool = True):
     return graph
 
 
-@pytest.mark.parametrize("m, k, n, epilogue", [
-    (8, 18432, 7168, None),        # every tile split over ~2-4 CTAs
-    (64, 7168, 36864, "silu_mul"),
-    (1, 1024, 1024, None),
-    (256, 8192, 7168, None),
+@pytest.mark.parametrize("m, k, n, epilogue, tuning", [
+    (8, 18432, 7168, None, {}),        # every tile split over ~2-4 CTAs
+    (64, 7168, 36864, "silu_mul", {}),
+    (1, 1024, 1024, None, {}),
+    (256, 8192, 7168, None, {"wide": 0}),
+    (256, 8192, 7168, None, {}),        # the whole-K tiles
+    (200, 1024, 4096, None, {"wide": 1, "n_tile": 16}),     # ... several per CTA
 ])
-def test_graph_replay_is_bitwise_deterministic(m, k, n, epilogue):
+def test_graph_replay_is_bitwise_deterministic(m, k, n, epilogue, tuning):
     x, w = _inputs(m, k, n)
     out = _out(m, n, epilogue)
 
     def step():
         out.fill_(float("nan"))
-        gemm.linear(x, w, out, epilogue=epilogue, use_pdl=True)
+        gemm.linear(x, w, out, epilogue=epilogue, use_pdl=True, **tuning)
 
     graph = _capture(step)
     graph.replay()
@@ -170,6 +172,7 @@ def test_graph_chain_of_gemms():
 @pytest.mark.parametrize("m, k, n, epilogue", [
     (8, 7168, 10240, None),
     (64, 1024, 5632, "silu_mul"),   # small: all its weights are requested before the wait
+    (256, 8192, 7168, None),        # the whole-K tiles (kernels/gemm_wide.py)
 ])
 def test_pdl_race_with_slow_producer(m, k, n, epilogue):
     import pdl_producer   # tests/pdl_producer.py: triggers at entry, spins, then writes dst
@@ -199,7 +202,7 @@ def test_pdl_race_with_slow_producer(m, k, n, epilogue):
             f"replay {i}: the GEMM read x before its producer finished")
 
 
-@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("m", [1, 64, 256])     # 256: the whole-K tiles, producer and consumer
 def test_pdl_race_gemm_as_producer(m):
     """The GEMM as the producer: a second GEMM reads its output as x, and an AttnRes call
     reads that one's output as delta, both launched with PDL (their weight / saved-block
@@ -243,15 +246,19 @@ def test_pdl_race_gemm_as_producer(m):
                 f"replay {i}: a PDL consumer read its producer's output too early")
 
 
-def test_capture_without_warmup_is_refused():
-    """The first call of a configuration allocates its workspace, which must not happen
-    inside a capture: it says so instead of capturing an allocation."""
-    m, k, n = 24, 1024, 1536      # a configuration no other test uses
+@pytest.mark.parametrize("m, k, n, tuning", [
+    (24, 1024, 1536, {}),               # stream-K: its workspace (a configuration no other test uses)
+    (136, 1024, 1536, {"wide": 1}),     # the whole-K tiles: loading the kernel
+])
+def test_capture_without_warmup_is_refused(m, k, n, tuning):
+    """The first call of a configuration allocates its workspace (stream-K) or loads its
+    kernel, neither of which belongs in a capture: it says so instead."""
     x, w = _inputs(m, k, n)
     out = _out(m, n, None)
-    gemm.compile_linear(m, k, n, ctas=torch.cuda.get_device_properties(0).multi_processor_count)
+    if not tuning:      # compiled and loaded already: the refusal is the workspace's
+        gemm.compile_linear(m, k, n, ctas=torch.cuda.get_device_properties(0).multi_processor_count)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="outside the graph|warm-up"):
         with torch.cuda.graph(graph):
-            gemm.linear(x, w, out)
+            gemm.linear(x, w, out, **tuning)
     torch.cuda.synchronize()

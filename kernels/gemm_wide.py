@@ -1,0 +1,448 @@
+"""The decode GEMM at many batch rows: whole-K output tiles, sized so that one wave fills the SMs.
+
+``y[M, N] = x[M, K] @ W[N, K]^T`` (bf16 in and out, fp32 accumulation), plain epilogue only.
+``kernels/gemm.py`` computes ``y^T = W x^T`` (W rows on the wgmma M side, in 64-row steps) and
+splits K between CTAs (stream-K), which is what streams weights fastest at a few batch rows.
+From ~128 rows the problem has enough work per W tile for another trade, the one cuBLAS makes
+there (its Hopper kernel at o_proj M = 256 is a 112 x 128 tile on 128 CTAs, Nsight Compute,
+bench/gemm_notes.md §21): no K split at all, so no fp32 partials, no reduction tail and no
+counters, with the tile count matched to the SM count by the *W-row* side of the tile, which
+wgmma allows in steps of 16 (its N) when x is the A operand.
+
+Structure
+---------
+* **Orientation**: x is wgmma's A operand (its M = 64 batch rows per consumer warpgroup), W the
+  B operand (its N = ``n_tile`` W rows, a multiple of 16 up to 256). A tile is ``batch_tile``
+  (64 or 128) batch rows x ``n_tile`` W rows over the whole of K; each consumer warpgroup
+  owns 64 of its batch rows, and both read the tile's W from the same shared-memory buffer.
+* **Tile shape** (``WideGemmConfig.choose_tile``): the largest (batch_tile, n_tile) whose tile
+  count fills the grid's waves within 3% of the best (o_proj at 256 rows: 2 x 64 tiles of
+  128 x 112 on 132 SMs, 97%).
+* **Batch rows past M**: a warpgroup's 64-row x box that would reach past row M is moved back
+  to end at M (``x_rows``; rows computed twice are stored once), because TMA's zero fill of
+  the rows past x cost up to 40% at 160-200 rows.
+* **Persistent grid**: ``min(tiles, SMs)`` CTAs; CTA c computes tiles c, c + ctas, ... (tile t
+  is W tile t // batch_tiles, batch tile t % batch_tiles, so the CTAs that read the same W
+  tile run side by side and the second read hits L2). The producer warp streams (W, x) stages
+  through all of its tiles without a break; the consumers drain each tile's wgmma, store it
+  and go on.
+* **Pipeline**: as in kernels/gemm.py: a producer warp issues TMA loads of one W box
+  (n_tile x 64) and one x box per consumer warpgroup (64 x 64) per stage into 128B-swizzled
+  shared memory, completing on an mbarrier armed with the stage's bytes; consumer warpgroups
+  run wgmma keeping one k-block in flight and release the stage before.
+* **Epilogue**: fp32 accumulators rounded once to bf16, stored straight from the fragment,
+  batch rows >= M masked (x rows >= M are TMA's zero fill).
+
+PDL (DESIGN §4): the same contract as kernels/gemm.py: ``launch_dependents`` at entry (one wave,
+so a dependent cannot take an SM from one of our CTAs), the first stages' W loads before
+``griddepcontrol.wait`` (weight traffic only; each stage barrier already expects the x bytes,
+so no consumer starts early), x loaded and y stored only after it, every thread waits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.tensor_utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .compile_cache import CompileCache
+
+# PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
+PROLOGUE_INPUTS = ("weight",)
+WAITS = True
+TRIGGER = "early"
+
+TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster")
+BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
+WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
+N_TILE_STEP = 16           # wgmma N steps of 8; CuTe DSL 4.8.1 needs an even number of 8-row atoms
+MAX_N_TILE = 256           # wgmma's largest N
+SMEM_BUDGET = 200 * 1024   # as kernels/gemm.py: leaves room on the SM for a PDL dependent's CTAs
+SMEM_MAX = 220 * 1024
+MAX_STAGES = 16
+FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more of the waves idle
+# When kernels/gemm.py's ``linear`` runs this kernel by default: plain shapes from WIDE_MIN_M
+# batch rows whose tiles have 128 batch rows and fill one wave of the SMs to WIDE_MIN_FILL.
+# Measured on an H200 against the stream-K kernel (bench/gemm_notes.md §21): at 255-256 rows
+# 6-18% faster on down and o_proj, 0-4% on qkv; at 160-224 rows slower (two 128-row batch
+# tiles compute 256 rows whatever M is; stream-K's tiles follow M in steps of 16); at 128 rows
+# a tie on qkv and slower with 64-row batch tiles (o_proj, down); lm_head (several waves)
+# slower at every M.
+WIDE_MIN_M = 240
+WIDE_MIN_FILL = 0.9
+# Evict-first L2 hint for W (read once per step), as kernels/gemm.py.
+EVICT_FIRST = 0x12F0000000000000
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class WideGemmConfig:
+    """Every static decision for one (M, K, N, ctas[, batch_tile, n_tile, stages])."""
+
+    def __init__(self, m: int, k: int, n: int, ctas: int, *, batch_tile: int | None = None,
+                 n_tile: int | None = None, stages: int | None = None, cluster: int | None = None):
+        if not (1 <= m and k > 0 and k % BLOCK_K == 0 and n > 0 and n % N_TILE_STEP == 0):
+            raise ValueError(f"wide decode GEMM: M={m}, K={k}, N={n} unsupported (K a multiple of "
+                             f"{BLOCK_K}, N of {N_TILE_STEP})")
+        self.m, self.k, self.n, self.sms = int(m), int(k), int(n), int(ctas)
+        if batch_tile is None or n_tile is None:
+            best_bt, best_nt = self.choose_tile(self.m, self.n, self.sms)
+            batch_tile = best_bt if batch_tile is None else batch_tile
+            n_tile = best_nt if n_tile is None else n_tile
+        if batch_tile not in (64, 128):
+            raise ValueError(f"batch_tile={batch_tile} unsupported: 64 or 128")
+        if n_tile % N_TILE_STEP or not 0 < n_tile <= MAX_N_TILE or self.n % n_tile:
+            raise ValueError(f"n_tile={n_tile} unsupported: a multiple of {N_TILE_STEP} up to "
+                             f"{MAX_N_TILE} dividing N={self.n}")
+        self.batch_tile, self.n_tile = int(batch_tile), int(n_tile)
+        self.wgs = self.batch_tile // WG_ROWS
+        self.batch_tiles = _ceil_div(self.m, self.batch_tile)
+        self.n_tiles = self.n // self.n_tile
+        self.tiles = self.batch_tiles * self.n_tiles
+        self.ctas = min(self.tiles, self.sms)
+        # ``cluster=2``: clusters of two CTAs on the two batch tiles of one W tile (CTAs 2j,
+        # 2j + 1 compute tiles of the same W tile at every step of the persistent loop when
+        # the batch tiles and the grid are even): each loads half of the W box and multicasts
+        # it into both, so W leaves L2 once per pair (cuBLAS's 2 x 1 cluster there), but the
+        # pair refills a stage only when both have released it. Measured on an H200
+        # (bench/gemm_notes.md §21): 2-6% slower at 256 rows on down, qkv and o_proj, so off
+        # by default.
+        pairable = self.batch_tiles % 2 == 0 and self.ctas % 2 == 0
+        if cluster is None:
+            cluster = 1
+        if cluster not in (1, 2) or (cluster == 2 and not pairable):
+            raise ValueError(f"cluster={cluster} unsupported here (1, or 2 with an even number of batch "
+                             f"tiles ({self.batch_tiles}) and of CTAs ({self.ctas}))")
+        self.cluster = int(cluster)
+        self.k_blocks = self.k // BLOCK_K
+        self.threads = 128 * self.wgs + 32        # + one producer warp
+        self.producer_warp = 4 * self.wgs
+        self.x_box_bytes = WG_ROWS * BLOCK_K * 2
+        self.w_stage_bytes = self.n_tile * BLOCK_K * 2
+        self.stage_bytes = self.wgs * self.x_box_bytes + self.w_stage_bytes
+        if stages is None:
+            stages = max(2, min(MAX_STAGES, SMEM_BUDGET // self.stage_bytes))
+        if not 2 <= stages <= MAX_STAGES or stages * self.stage_bytes > SMEM_MAX:
+            raise ValueError(f"stages={stages} unsupported: 2..{MAX_STAGES} stages of "
+                             f"{self.stage_bytes} bytes within {SMEM_MAX} bytes of shared memory")
+        self.stages = int(stages)
+
+    @staticmethod
+    def wave_fill(m: int, n: int, sms: int, batch_tile: int, n_tile: int) -> float:
+        """Share of the grid's SM-waves that hold a tile: tiles / (waves x SMs)."""
+        tiles = _ceil_div(m, batch_tile) * (n // n_tile)
+        return tiles / (_ceil_div(tiles, sms) * sms)
+
+    @classmethod
+    def choose_tile(cls, m: int, n: int, sms: int) -> tuple[int, int]:
+        """(batch_tile, n_tile): among the shapes that fill the waves within FILL_SLACK of the
+        best, the largest tile (the fewest x and W re-reads from L2 per FLOP), then the one
+        with 128 batch rows."""
+        candidates = [(bt, nt) for bt in (128, 64) for nt in range(MAX_N_TILE, 0, -N_TILE_STEP)
+                      if n % nt == 0]
+        if not candidates:
+            raise ValueError(f"wide decode GEMM: no W tile divides N={n}")
+        best = max(cls.wave_fill(m, n, sms, bt, nt) for bt, nt in candidates)
+        good = [c for c in candidates if cls.wave_fill(m, n, sms, *c) >= best - FILL_SLACK]
+        return max(good, key=lambda c: (c[0] * c[1], c[0]))
+
+    def key(self) -> tuple:
+        """Everything the compiled kernel depends on."""
+        return (self.m, self.k, self.n, self.sms, *(getattr(self, knob) for knob in TUNING_KNOBS))
+
+    @classmethod
+    def from_key(cls, key: tuple) -> "WideGemmConfig":
+        m, k, n, sms, *tuning = key
+        return cls(m, k, n, sms, **dict(zip(TUNING_KNOBS, tuning)))
+
+    def tiles_of(self, cta: int) -> list[int]:
+        """The tiles CTA ``cta`` computes, in order (the kernel's persistent loop)."""
+        return list(range(cta, self.tiles, self.ctas))
+
+    def __repr__(self) -> str:
+        return (f"WideGemmConfig(m={self.m}, k={self.k}, n={self.n}, ctas={self.ctas}, "
+                f"tile={self.batch_tile}x{self.n_tile}, tiles={self.batch_tiles}x{self.n_tiles}, "
+                f"wave_fill={self.wave_fill(self.m, self.n, self.sms, self.batch_tile, self.n_tile):.2f}, "
+                f"k_blocks={self.k_blocks}, stages={self.stages}, cluster={self.cluster})")
+
+
+def default_applies(m: int, n: int, epilogue: str | None, sms: int) -> bool:
+    """Whether ``linear`` runs this kernel by default for (M, N, epilogue) on ``sms`` SMs."""
+    if epilogue is not None or m < WIDE_MIN_M or n % N_TILE_STEP:
+        return False
+    batch_tile, n_tile = WideGemmConfig.choose_tile(m, n, sms)
+    tiles = _ceil_div(m, batch_tile) * (n // n_tile)
+    return batch_tile == 128 and tiles <= sms and WideGemmConfig.wave_fill(m, n, sms, batch_tile, n_tile) >= WIDE_MIN_FILL
+
+
+class WideGemmKernel:
+    """``y = x @ W^T`` for one static WideGemmConfig."""
+
+    def __init__(self, cfg: WideGemmConfig):
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(self, x_addr: Int64, w_addr: Int64, y_addr: Int64, stream: cuda.CUstream, use_pdl: Boolean):
+        cfg = self.cfg
+        gmem = cute.AddressSpace.gmem
+        # A dynamic batch row count, as in kernels/gemm.py (a static size-1 mode would be
+        # dropped from the TMA coordinates); rows >= M are zero-filled by TMA, masked at stores.
+        x_rows = Int32(cfg.m)
+        mX = cute.make_tensor(cute.make_ptr(BFloat16, x_addr, gmem, assumed_align=16),
+                              cute.make_layout((x_rows, cfg.k), stride=(cfg.k, 1)))
+        mW = cute.make_tensor(cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16),
+                              cute.make_layout((cfg.n, cfg.k), stride=(cfg.k, 1)))
+        mY = cute.make_tensor(cute.make_ptr(BFloat16, y_addr, gmem, assumed_align=16),
+                              cute.make_layout((x_rows, cfg.n), stride=(cfg.n, 1)))
+
+        k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
+            Float32, (1, 1, 1), tiler_mn=(WG_ROWS, cfg.n_tile),
+        )
+        mma_tiler = (WG_ROWS, cfg.n_tile, BLOCK_K)
+        # Per stage: one 64 x 64 x buffer per consumer warpgroup (A), one n_tile x 64 W buffer (B).
+        sX_layout = sm90_utils.make_smem_layout_a(k_major, mma_tiler, BFloat16, cfg.stages * cfg.wgs)
+        sW_layout = sm90_utils.make_smem_layout_b(k_major, mma_tiler, BFloat16, cfg.stages)
+        tma_x, mX_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(sX_layout, (None, None, 0)), (WG_ROWS, BLOCK_K))
+        # In a cluster each CTA loads half of the W box's rows and multicasts them to both.
+        w_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(cfg.cluster > 1) else cpasync.CopyBulkTensorTileG2SOp()
+        tma_w, mW_tma = cpasync.make_tiled_tma_atom(
+            w_op, mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K), num_multicast=cfg.cluster)
+
+        @cute.struct
+        class SharedStorage:
+            full: cute.struct.MemRange[Int64, cfg.stages]
+            empty: cute.struct.MemRange[Int64, cfg.stages]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sX_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_x, mX_tma, tma_w, mW_tma, mY, tiled_mma, sX_layout, sW_layout).launch(
+            grid=[cfg.ctas, 1, 1], block=[cfg.threads, 1, 1],
+            cluster=[cfg.cluster, 1, 1] if const_expr(cfg.cluster > 1) else None, stream=stream, use_pdl=use_pdl)
+
+    @cute.kernel
+    def kernel(self, tma_x: cute.CopyAtom, mX_tma: cute.Tensor, tma_w: cute.CopyAtom, mW_tma: cute.Tensor,
+               mY: cute.Tensor, tiled_mma: cute.TiledMma, sX_layout: cute.ComposedLayout,
+               sW_layout: cute.ComposedLayout):
+        cfg = self.cfg
+        # Trigger early: the grid is a single wave, so dependents cannot displace our CTAs.
+        cute.arch.griddepcontrol_launch_dependents()
+
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        if warp == cfg.producer_warp:
+            cpasync.prefetch_descriptor(tma_w)
+            cpasync.prefetch_descriptor(tma_x)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+        if warp == cfg.producer_warp:
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(cfg.stages):
+                    cute.arch.mbarrier_init(full + s, 1)
+                    # One release per consumer warp of each CTA of the cluster (both
+                    # producers write into this stage).
+                    cute.arch.mbarrier_init(empty + s, 4 * cfg.wgs * cfg.cluster)
+            cute.arch.mbarrier_init_fence()
+        if const_expr(cfg.cluster > 1):
+            # No CTA may multicast into its peer or arrive on its barriers before they exist.
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+        rank = cta % cfg.cluster
+
+        # Tiles cta, cta + ctas, ...: this CTA's number of them.
+        n_local = (cfg.tiles - 1 - cta) // cfg.ctas + 1
+        if warp == cfg.producer_warp:
+            self.producer(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_local * cfg.k_blocks)
+        else:
+            cute.arch.griddepcontrol_wait()      # y is written only after the previous kernel
+            self.consumer(tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane)
+        if const_expr(cfg.cluster > 1):
+            # Neither CTA exits while its peer may still write into it or arrive on its barriers.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def tile_coords(self, cta: Int32, local: Int32):
+        """(W tile, batch tile) of this CTA's ``local``-th tile."""
+        cfg = self.cfg
+        tile = cta + local * cfg.ctas
+        return tile // cfg.batch_tiles, tile % cfg.batch_tiles
+
+    @cute.jit
+    def x_rows(self, b_blk: Int32, w: cutlass.Constexpr):
+        """(first batch row warpgroup ``w`` of batch tile ``b_blk`` owns, first row of its x box).
+        The box is moved back to end at row M when it would reach past it (M >= 64): TMA's
+        zero fill of rows past the end of x was measured to cost up to 40% at M = 160-200
+        (bench/gemm_notes.md §21); the rows the moved box shares with the previous warpgroup's
+        are computed twice and stored once."""
+        cfg = self.cfg
+        owned = b_blk * cfg.batch_tile + w * WG_ROWS
+        start = owned
+        if const_expr(cfg.m >= WG_ROWS and cfg.m % cfg.batch_tile != 0):
+            start = cutlass.min(owned, cfg.m - WG_ROWS)
+        return owned, start
+
+    @cute.jit
+    def producer(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters):
+        cfg = self.cfg
+        gW = cute.local_tile(mW_tma, (cfg.n_tile, BLOCK_K), (None, None))
+        tWsW, tWgW = cpasync.tma_partition(   # in a cluster: this CTA's half of the rows
+            tma_w, rank, cute.make_layout(cfg.cluster), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        evict_first = Int64(EVICT_FIRST)
+
+        # Before the PDL wait: W only, into the fresh stages, each barrier armed with the
+        # whole stage so that it completes only once x has landed too.
+        n_pre = cutlass.min(n_iters, cfg.stages)
+        for i in cutlass.range(n_pre, unroll=1):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_bytes)
+            self.load_w(tma_w, tWgW, tWsW, cta, i, i, full + i, evict_first)
+        cute.arch.griddepcontrol_wait()
+        for i in cutlass.range(n_pre, unroll=1):
+            self.load_x(tma_x, mX_tma, sX, cta, i, i, full + i)
+        for i in cutlass.range(n_pre, n_iters, unroll=1):
+            s = i % cfg.stages
+            cute.arch.mbarrier_wait(empty + s, ((i // cfg.stages) % 2) ^ 1)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_bytes)
+            self.load_w(tma_w, tWgW, tWsW, cta, i, s, full + s, evict_first)
+            self.load_x(tma_x, mX_tma, sX, cta, i, s, full + s)
+
+    @cute.jit
+    def load_w(self, tma_w, tWgW, tWsW, cta, i: Int32, stage: Int32, bar, evict_first: Int64):
+        """TMA of this CTA's iteration i's W box (its tile's n_tile rows, its k-block)."""
+        cfg = self.cfg
+        local = i // cfg.k_blocks
+        n_blk, _ = self.tile_coords(cta, local)
+        if const_expr(cfg.cluster > 1):
+            cute.copy(tma_w, tWgW[(None, n_blk, i - local * cfg.k_blocks)], tWsW[(None, stage)],
+                      tma_bar_ptr=bar, cache_policy=evict_first, mcast_mask=cutlass.Int16((1 << cfg.cluster) - 1))
+        else:
+            cute.copy(tma_w, tWgW[(None, n_blk, i - local * cfg.k_blocks)], tWsW[(None, stage)],
+                      tma_bar_ptr=bar, cache_policy=evict_first)
+
+    @cute.jit
+    def load_x(self, tma_x, mX_tma, sX, cta, i: Int32, stage: Int32, bar):
+        """TMA of iteration i's x boxes: 64 batch rows per consumer warpgroup (``x_rows``), its
+        k-block."""
+        cfg = self.cfg
+        local = i // cfg.k_blocks
+        _, b_blk = self.tile_coords(cta, local)
+        for w in cutlass.range_constexpr(cfg.wgs):
+            _, start = self.x_rows(b_blk, w)
+            gX = cute.local_tile(cute.domain_offset((start, 0), mX_tma), (WG_ROWS, BLOCK_K), (0, None))
+            tXsX, tXgX = cpasync.tma_partition(
+                tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+            cute.copy(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)],
+                      tma_bar_ptr=bar)
+
+    @cute.jit
+    def release(self, bar) -> None:
+        """Free a pipeline stage: arrive on its empty barrier in every CTA of the cluster (both
+        producers multicast W into our copy of the stage)."""
+        cfg = self.cfg
+        if const_expr(cfg.cluster > 1):
+            for r in cutlass.range_constexpr(cfg.cluster):
+                cute.arch.mbarrier_arrive(bar, Int32(r))
+        else:
+            cute.arch.mbarrier_arrive(bar)
+
+    @cute.jit
+    def consumer(self, tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane):
+        cfg = self.cfg
+        wg = warp // 4
+        wg_tid = tidx % 128
+        thr_mma = tiled_mma.get_slice(wg_tid)
+        tCsX = thr_mma.partition_A(sX)
+        tCsW = thr_mma.partition_B(sW)
+        tCrX = tiled_mma.make_fragment_A(tCsX)
+        tCrW = tiled_mma.make_fragment_B(tCsW)
+        # (batch row, W row) of each accumulator element within the warpgroup's 64 x n_tile.
+        tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((WG_ROWS, cfg.n_tile)))
+        acc = cute.make_rmem_tensor(tCcAcc.shape, Float32)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        k_steps = cute.size(tCrX, mode=[2])
+
+        for local in cutlass.range(n_local, unroll=1):
+            acc.fill(0.0)
+            i0 = local * cfg.k_blocks
+            for kb in cutlass.range(cfg.k_blocks, unroll=1):
+                i = i0 + kb
+                s = i % cfg.stages
+                cute.arch.mbarrier_wait(full + s, (i // cfg.stages) % 2)
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(k_steps):
+                    cute.gemm(tiled_mma, acc, tCrX[(None, None, kk, s * cfg.wgs + wg)],
+                              tCrW[(None, None, kk, s)], acc)
+                warpgroup.commit_group()
+                # Keep this k-block's wgmma in flight; the previous one is done, free its stage.
+                warpgroup.wait_group(1)
+                if kb > 0 and lane == 0:
+                    self.release(empty + (i - 1) % cfg.stages)
+            warpgroup.wait_group(0)
+            if lane == 0:
+                self.release(empty + (i0 + cfg.k_blocks - 1) % cfg.stages)
+            n_blk, b_blk = self.tile_coords(cta, local)
+            col0 = n_blk * cfg.n_tile
+            for w in cutlass.range_constexpr(cfg.wgs):
+                if wg == w:
+                    owned, start = self.x_rows(b_blk, w)
+                    for j in cutlass.range_constexpr(cute.size(tCcAcc)):
+                        row, col = tCcAcc[j]
+                        m = start + row
+                        if m >= owned and m < cfg.m:
+                            mY[m, col0 + col] = acc[j].to(BFloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compilation, the compile cache and the torch entry point.
+# ------------------------------------------------------------------------------------------------
+def _build(*key, options: str = ""):
+    kernel = WideGemmKernel(WideGemmConfig.from_key(key))
+    z = Int64(0)
+    args = (z, z, z, cuda.CUstream(0), Boolean(True))
+    if options:
+        return cute.compile(kernel, *args, options=options)
+    return cute.compile(kernel, *args)
+
+
+_CACHE = CompileCache("gemm_wide", _build, sys.modules[__name__])
+
+
+def compile_cache() -> CompileCache:
+    return _CACHE
+
+
+def compile_wide(cfg: WideGemmConfig, options: str | None = None):
+    """The compiled kernel of ``cfg``: from the compile cache, or afresh with ``options``
+    (e.g. ``--keep-ptx --dump-dir D``). Works without a GPU when ``CUTE_DSL_ARCH=sm_90a``."""
+    if options:
+        return _build(*cfg.key(), options=options)
+    return _CACHE.get(cfg.key())
+
+
+def launch(cfg: WideGemmConfig, x, weight, out, stream, use_pdl: bool) -> None:
+    """Run ``cfg`` on checked tensors (kernels/gemm.py's ``linear`` validates and chooses)."""
+    fn = _CACHE.get(cfg.key())
+    fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), cuda.CUstream(stream.cuda_stream), bool(use_pdl))
