@@ -30,8 +30,9 @@ Structure
   (n_tile x 64) and one x box per consumer warpgroup (64 x 64) per stage into 128B-swizzled
   shared memory, completing on an mbarrier armed with the stage's bytes; consumer warpgroups
   run wgmma keeping one k-block in flight and release the stage before.
-* **Epilogue**: fp32 accumulators rounded once to bf16, stored straight from the fragment,
-  batch rows >= M masked (x rows >= M are TMA's zero fill).
+* **Epilogue**: fp32 accumulators rounded once to bf16 and stored straight from the fragment,
+  two adjacent y columns per 4-byte store, batch rows >= M (and rows another warpgroup owns)
+  masked.
 
 PDL (DESIGN §4): the same contract as kernels/gemm.py: ``launch_dependents`` at entry (one wave,
 so a dependent cannot take an SM from one of our CTAs), the first stages' W loads before
@@ -50,6 +51,7 @@ import cutlass.memory
 import cutlass.tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .compile_cache import CompileCache
@@ -109,16 +111,16 @@ class WideGemmConfig:
         self.n_tiles = self.n // self.n_tile
         self.tiles = self.batch_tiles * self.n_tiles
         self.ctas = min(self.tiles, self.sms)
-        # ``cluster=2``: clusters of two CTAs on the two batch tiles of one W tile (CTAs 2j,
-        # 2j + 1 compute tiles of the same W tile at every step of the persistent loop when
-        # the batch tiles and the grid are even): each loads half of the W box and multicasts
-        # it into both, so W leaves L2 once per pair (cuBLAS's 2 x 1 cluster there), but the
-        # pair refills a stage only when both have released it. Measured on an H200
-        # (bench/gemm_notes.md §21): 2-6% slower at 256 rows on down, qkv and o_proj, so off
-        # by default.
+        # Clusters of two CTAs on the two batch tiles of one W tile (CTAs 2j, 2j + 1 compute
+        # tiles of the same W tile at every step of the persistent loop when the batch tiles
+        # and the grid are even): each loads half of the W box and multicasts it into both,
+        # so W leaves L2 once per pair (cuBLAS's 2 x 1 cluster there), for a pair that
+        # refills a stage only when both have released it. Measured on an H200 at 240-256 rows
+        # (bench/gemm_notes.md §21): qkv -5 to -14%, o_proj -1 to -10%, down +-3%; so on
+        # wherever the tiles pair up.
         pairable = self.batch_tiles % 2 == 0 and self.ctas % 2 == 0
         if cluster is None:
-            cluster = 1
+            cluster = 2 if pairable else 1
         if cluster not in (1, 2) or (cluster == 2 and not pairable):
             raise ValueError(f"cluster={cluster} unsupported here (1, or 2 with an even number of batch "
                              f"tiles ({self.batch_tiles}) and of CTAs ({self.ctas}))")
@@ -408,11 +410,27 @@ class WideGemmKernel:
             for w in cutlass.range_constexpr(cfg.wgs):
                 if wg == w:
                     owned, start = self.x_rows(b_blk, w)
-                    for j in cutlass.range_constexpr(cute.size(tCcAcc)):
+                    # wgmma's fp32 fragment holds two adjacent W rows (y columns) of one batch
+                    # row in accumulators 2i and 2i + 1: one 4-byte store per pair.
+                    for j in cutlass.range_constexpr(0, cute.size(tCcAcc), 2):
                         row, col = tCcAcc[j]
                         m = start + row
                         if m >= owned and m < cfg.m:
-                            mY[m, col0 + col] = acc[j].to(BFloat16)
+                            store_bf16x2(mY.iterator + (m * cfg.n + col0 + col), acc[j], acc[j + 1])
+
+
+def store_bf16x2(dst, lo: Float32, hi: Float32) -> None:
+    """Round ``lo`` and ``hi`` to bf16 (nearest even, as ``.to(BFloat16)``) and store them as one
+    4-byte word at global ``dst`` (4-byte aligned), ``lo`` at the lower address."""
+    llvm.inline_asm(
+        None,
+        [dst.toint().ir_value(), Float32(lo).ir_value(), Float32(hi).ir_value()],
+        "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $2, $1; st.global.b32 [$0], t; }",
+        "l,f,f,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 # ------------------------------------------------------------------------------------------------

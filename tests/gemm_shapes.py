@@ -73,8 +73,8 @@ TUNING_CASES = [
     (1, 1024, 1024, None, dict(wide=1)),
     (3, 2816, 1024, None, dict(wide=1, batch_tile=128, n_tile=64)),
     (256, 8192, 7168, None, dict(wide=1, stages=3)),
-    (256, 8192, 7168, None, dict(wide=1, cluster=2)),  # W multicast in pairs of CTAs
-    (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=2)),
+    (256, 8192, 7168, None, dict(wide=1, cluster=1)),  # no W multicast in pairs of CTAs
+    (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=1)),
     (160, 8192, 7168, None, dict(wide=1)),            # x boxes moved back from past row M
     (70, 1024, 1024, None, dict(wide=1, batch_tile=128)),
     (256, 8192, 7168, None, dict(wide=0)),
