@@ -71,13 +71,14 @@ SMEM_MAX = 220 * 1024
 MAX_STAGES = 16
 FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more of the waves idle
 # When kernels/gemm.py's ``linear`` runs this kernel by default: plain shapes from WIDE_MIN_M
-# batch rows whose tiles have 128 batch rows and fill one wave of the SMs to WIDE_MIN_FILL.
-# Measured on an H200 against the stream-K kernel (bench/gemm_notes.md §21): at 255-256 rows
-# 6-18% faster on down and o_proj, 0-4% on qkv; at 160-224 rows slower (two 128-row batch
-# tiles compute 256 rows whatever M is; stream-K's tiles follow M in steps of 16); at 128 rows
-# a tie on qkv and slower with 64-row batch tiles (o_proj, down); lm_head (several waves)
-# slower at every M.
-WIDE_MIN_M = 240
+# batch rows whose tiles fill one wave of the SMs to WIDE_MIN_FILL and whose batch tiles hold
+# at least WIDE_MIN_ROW_FILL real rows. Measured on an H200 against the stream-K kernel
+# (bench/gemm_notes.md §21): at 128 rows 6-12% faster on down, qkv and o_proj, at 240-256
+# rows 6-18% on down and o_proj and 0-14% on qkv; at 160-224 rows slower (two 128-row batch
+# tiles compute 256 rows whatever M is; stream-K's batch columns follow M in steps of 16);
+# lm_head (several waves) ties.
+WIDE_MIN_M = 128
+WIDE_MIN_ROW_FILL = 0.9
 WIDE_MIN_FILL = 0.9
 # Evict-first L2 hint for W (read once per step), as kernels/gemm.py.
 EVICT_FIRST = 0x12F0000000000000
@@ -147,15 +148,18 @@ class WideGemmConfig:
     @classmethod
     def choose_tile(cls, m: int, n: int, sms: int) -> tuple[int, int]:
         """(batch_tile, n_tile): among the shapes that fill the waves within FILL_SLACK of the
-        best, the largest tile (the fewest x and W re-reads from L2 per FLOP), then the one
-        with 128 batch rows."""
+        best, the largest tile counting only batch rows < M (the fewest x and W re-reads from
+        L2 per useful FLOP), then the least padding, then 128 batch rows."""
         candidates = [(bt, nt) for bt in (128, 64) for nt in range(MAX_N_TILE, 0, -N_TILE_STEP)
                       if n % nt == 0]
         if not candidates:
             raise ValueError(f"wide decode GEMM: no W tile divides N={n}")
         best = max(cls.wave_fill(m, n, sms, bt, nt) for bt, nt in candidates)
         good = [c for c in candidates if cls.wave_fill(m, n, sms, *c) >= best - FILL_SLACK]
-        return max(good, key=lambda c: (c[0] * c[1], c[0]))
+        def row_fill(c):
+            return m / (_ceil_div(m, c[0]) * c[0])
+
+        return max(good, key=lambda c: (c[0] * c[1] * row_fill(c), row_fill(c), c[0]))
 
     def key(self) -> tuple:
         """Everything the compiled kernel depends on."""
@@ -182,8 +186,10 @@ def default_applies(m: int, n: int, epilogue: str | None, sms: int) -> bool:
     if epilogue is not None or m < WIDE_MIN_M or n % N_TILE_STEP:
         return False
     batch_tile, n_tile = WideGemmConfig.choose_tile(m, n, sms)
-    tiles = _ceil_div(m, batch_tile) * (n // n_tile)
-    return batch_tile == 128 and tiles <= sms and WideGemmConfig.wave_fill(m, n, sms, batch_tile, n_tile) >= WIDE_MIN_FILL
+    batch_tiles = _ceil_div(m, batch_tile)
+    return (batch_tiles * (n // n_tile) <= sms
+            and WideGemmConfig.wave_fill(m, n, sms, batch_tile, n_tile) >= WIDE_MIN_FILL
+            and m / (batch_tiles * batch_tile) >= WIDE_MIN_ROW_FILL)
 
 
 class WideGemmKernel:

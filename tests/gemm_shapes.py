@@ -61,8 +61,8 @@ TUNING_CASES = [
     (1, 1024, 1024, None, dict(publish_first=0)),
     (64, 7168, 36864, "silu_mul", dict(publish_first=1)),
     (256, 8192, 7168, None, dict(publish_first=1)),
-    # Whole-K tiles (kernels/gemm_wide.py), the default for plain shapes from 240 rows when
-    # one wave of 128-row batch tiles fills the SMs: 64-row batch tiles, several tiles per CTA
+    # Whole-K tiles (kernels/gemm_wide.py), the default for plain shapes at 128 and 231-256
+    # rows when one wave of tiles fills the SMs: 64-row batch tiles, several tiles per CTA
     # (a persistent loop), a padded batch tile, forced at few rows, a shallow pipeline, pairs
     # of CTAs sharing W, x boxes moved back from past row M; and the stream-K kernel where the
     # whole-K one is the default.

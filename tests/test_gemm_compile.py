@@ -484,18 +484,19 @@ from graphc.kernels.gemm_wide import WideGemmConfig  # noqa: E402
     (256, 8192, 7168, (128, 112), 128, True),       # o_proj: cuBLAS's own choice there (ncu)
     (256, 18432, 7168, (128, 112), 128, True),      # down
     (256, 7168, 10240, (128, 160), 128, True),      # qkv
-    (128, 8192, 7168, (64, 112), 128, False),       # 128 x 56: an odd number of 8-row atoms
-    (128, 7168, 10240, (128, 80), 128, False),      # below WIDE_MIN_M
+    (128, 8192, 7168, (64, 112), 128, True),        # 128 x 56: an odd number of 8-row atoms
+    (128, 7168, 10240, (128, 80), 128, True),
     (128, 7168, 163840, (128, 256), 132, False),    # lm_head: 640 tiles, 5 waves of a persistent grid
-    (200, 8192, 7168, (128, 112), 128, False),      # the second batch tile padded
+    (200, 8192, 7168, (128, 112), 128, False),      # the second batch tile 56% padding
     (240, 8192, 7168, (128, 112), 128, True),
+    (64, 8192, 7168, (64, 64), 112, False),         # one batch tile: 112 tiles fill 85% of the SMs
 ])
 def test_wide_tile_choice(m, k, n, tile, ctas, default):
     cfg = WideGemmConfig(m, k, n, 132)
     assert isinstance(gemm.plan(m, k, n, None, 132), WideGemmConfig) == default
     assert (cfg.batch_tile, cfg.n_tile) == tile and cfg.ctas == ctas
     assert cfg.cluster == (2 if cfg.batch_tiles % 2 == 0 and cfg.ctas % 2 == 0 else 1)
-    assert WideGemmConfig.wave_fill(m, n, 132, *tile) >= gemm_wide.WIDE_MIN_FILL
+    assert (WideGemmConfig.wave_fill(m, n, 132, *tile) >= gemm_wide.WIDE_MIN_FILL) or not default
     # Every tile computed once, by the CTAs in turn.
     done = sorted(t for c in range(cfg.ctas) for t in cfg.tiles_of(c))
     assert done == list(range(cfg.tiles))
@@ -505,6 +506,7 @@ def test_wide_tile_choice(m, k, n, tile, ctas, default):
 def test_plan_routes_between_the_two_kernels():
     # Below WIDE_MIN_M, with the fused activation, or with a stream-K knob: the stream-K kernel.
     assert isinstance(gemm.plan(64, 8192, 7168, None, 132), GemmConfig)
+    assert isinstance(gemm.plan(127, 8192, 7168, None, 132), GemmConfig)
     assert isinstance(gemm.plan(256, 7168, 36864, "silu_mul", 132), GemmConfig)
     assert isinstance(gemm.plan(256, 8192, 7168, None, 132, publish_first=1), GemmConfig)
     assert isinstance(gemm.plan(256, 8192, 7168, None, 132, wide=0), GemmConfig)
