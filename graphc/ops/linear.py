@@ -89,7 +89,9 @@ DECODE_GEMM_MAX_BATCH = 16
 # qkv on the decode GEMM at 64 rows +36 us, o_proj +32, both +48; a smaller prologue does not
 # change it. Since the decode GEMM drops its summed partials from L2 (session 9,
 # bench/gemm_notes.md §15) both at 64 rows tie with cuBLAS in the step (3210-3216 against
-# 3215-3222 us), so the crossover stays.
+# 3215-3222 us), so the crossover stays. At 128 rows down / qkv / o_proj on the decode GEMM
+# (its whole-K tiles there, 0.87-0.97x cuBLAS alone) measured bimodal in the step, 4100-4332
+# against 4131-4164 us (bench/gemm_notes.md §21): not yet a reason to move the crossover.
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 64,
     (18432, 7168, None): 64,
