@@ -18,7 +18,9 @@ The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with t
 4.3 TB/s (the measured D2D copy bandwidth is reported beside it). ``variants`` times the legal
 alternatives to the default tuning (``bk``: K per stage 64/128; ``pf``: W iterations prefetched
 into L2 before the PDL wait), each checked against the reference first; they decide
-DEFAULT_BLOCK_K and DEFAULT_L2_PREFETCH.
+DEFAULT_BLOCK_K and DEFAULT_L2_PREFETCH. ``--tunings`` takes any knob of ``gemm.plan``: e.g.
+``"wide=0;wide=1,cluster=1"`` times the stream-K kernel and the whole-K tiles without W
+multicast beside the default (kernels/gemm_wide.py, bench/gemm_notes.md §21).
 
 Runtime: ~3 compiles per (shape, M) (a few seconds each) plus ~1 s of timing; the default
 16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml.

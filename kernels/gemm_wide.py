@@ -15,9 +15,12 @@ Structure
   B operand (its N = ``n_tile`` W rows, a multiple of 16 up to 256). A tile is ``batch_tile``
   (64 or 128) batch rows x ``n_tile`` W rows over the whole of K; each consumer warpgroup
   owns 64 of its batch rows, and both read the tile's W from the same shared-memory buffer.
-* **Tile shape** (``WideGemmConfig.choose_tile``): the largest (batch_tile, n_tile) whose tile
-  count fills the grid's waves within 3% of the best (o_proj at 256 rows: 2 x 64 tiles of
-  128 x 112 on 132 SMs, 97%).
+* **Tile shape** (``WideGemmConfig.choose_tile``): the largest (batch_tile, n_tile), counting
+  only batch rows < M, whose tile count fills the grid's waves within 3% of the best (o_proj
+  at 256 rows: 2 x 64 tiles of 128 x 112 on 132 SMs, 97%; at 128 rows 2 x 64 tiles of 64 x 112).
+* **Pairs of CTAs** (``cluster``): where the batch tiles and the grid are even, the two CTAs
+  on the two batch tiles of a W tile form a cluster, each loads half of the W box and
+  multicasts it into both, so W leaves L2 once per pair.
 * **Batch rows past M**: a warpgroup's 64-row x box that would reach past row M is moved back
   to end at M (``x_rows``; rows computed twice are stored once), because TMA's zero fill of
   the rows past x cost up to 40% at 160-200 rows.
@@ -89,7 +92,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class WideGemmConfig:
-    """Every static decision for one (M, K, N, ctas[, batch_tile, n_tile, stages])."""
+    """Every static decision for one (M, K, N, ctas[, batch_tile, n_tile, stages, cluster])."""
 
     def __init__(self, m: int, k: int, n: int, ctas: int, *, batch_tile: int | None = None,
                  n_tile: int | None = None, stages: int | None = None, cluster: int | None = None):
@@ -145,6 +148,11 @@ class WideGemmConfig:
         tiles = _ceil_div(m, batch_tile) * (n // n_tile)
         return tiles / (_ceil_div(tiles, sms) * sms)
 
+    @staticmethod
+    def row_fill(m: int, batch_tile: int) -> float:
+        """Share of the batch tiles' rows that are real (< M)."""
+        return m / (_ceil_div(m, batch_tile) * batch_tile)
+
     @classmethod
     def choose_tile(cls, m: int, n: int, sms: int) -> tuple[int, int]:
         """(batch_tile, n_tile): among the shapes that fill the waves within FILL_SLACK of the
@@ -156,10 +164,7 @@ class WideGemmConfig:
             raise ValueError(f"wide decode GEMM: no W tile divides N={n}")
         best = max(cls.wave_fill(m, n, sms, bt, nt) for bt, nt in candidates)
         good = [c for c in candidates if cls.wave_fill(m, n, sms, *c) >= best - FILL_SLACK]
-        def row_fill(c):
-            return m / (_ceil_div(m, c[0]) * c[0])
-
-        return max(good, key=lambda c: (c[0] * c[1] * row_fill(c), row_fill(c), c[0]))
+        return max(good, key=lambda c: (c[0] * c[1] * cls.row_fill(m, c[0]), cls.row_fill(m, c[0]), c[0]))
 
     def key(self) -> tuple:
         """Everything the compiled kernel depends on."""
@@ -186,10 +191,9 @@ def default_applies(m: int, n: int, epilogue: str | None, sms: int) -> bool:
     if epilogue is not None or m < WIDE_MIN_M or n % N_TILE_STEP:
         return False
     batch_tile, n_tile = WideGemmConfig.choose_tile(m, n, sms)
-    batch_tiles = _ceil_div(m, batch_tile)
-    return (batch_tiles * (n // n_tile) <= sms
+    return (_ceil_div(m, batch_tile) * (n // n_tile) <= sms
             and WideGemmConfig.wave_fill(m, n, sms, batch_tile, n_tile) >= WIDE_MIN_FILL
-            and m / (batch_tiles * batch_tile) >= WIDE_MIN_ROW_FILL)
+            and WideGemmConfig.row_fill(m, batch_tile) >= WIDE_MIN_ROW_FILL)
 
 
 class WideGemmKernel:
