@@ -1230,7 +1230,8 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
     ``out = silu(g) * u`` where ``[g | u] = x @ weight.T`` split in halves (weight is the fused
     [gate; up] matrix). Launches on ``stream`` (default: the current stream at call time) with
     the PDL attribute when ``use_pdl``. Capturable in a CUDA graph once it has been called
-    outside capture for this shape (that first call allocates the split-K workspace).
+    outside capture for this shape (that first call allocates the split-K workspace or loads
+    the kernel).
     ``ctas`` (the persistent grid; None: one CTA per SM) and ``tuning`` (``plan``'s knobs) are
     for the benchmark (bench/gemm.py); leave them unset. Which kernel runs: ``plan``."""
     import torch
@@ -1241,7 +1242,7 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
     if stream is None:
         stream = torch.cuda.current_stream(device)
     if isinstance(cfg, gemm_wide.WideGemmConfig):
-        # No workspace to allocate, but loading the kernel is no work for a capture either.
+        # No workspace to allocate, but loading the kernel does not belong in a capture either.
         if cfg.key() not in gemm_wide.compile_cache() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"linear: first call of {cfg} happened during CUDA graph capture; call "
                                "it once before capturing (warm-up) so its kernel is loaded outside the graph")
