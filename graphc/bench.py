@@ -58,10 +58,10 @@ def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = Tr
         row = {"batch": b, "step_us": t * 1e6, "floor_us": floor * 1e6, "ratio": t / floor, **stats[b]}
         if power:
             summary = measure_power(step.graphs[b].replay, nvidia_smi_id(step.device))
-            row["power"] = summary.as_dict() if summary is not None else None
+            row["power"] = None
             if summary is not None:
                 # Board energy per generated token: median draw x median step time / rows.
-                row["power"]["energy_per_token_j"] = summary.power_w * t / b
+                row["power"] = {**summary.as_dict(), "energy_per_token_j": summary.power_w * t / b}
         rows.append(row)
     return rows
 

@@ -91,6 +91,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import gemm_wide
 from .compile_cache import CompileCache
+from .smem_pipeline import EVICT_FIRST, pipeline_stages
 
 # PDL traits of this op, read by the scheduler (DESIGN §4).
 PROLOGUE_INPUTS = ("weight",)
@@ -107,16 +108,10 @@ DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
 DEFAULT_BLOCK_K = 64       # 128 lost on 19 of 24 rows of bench/gemm.py (H200, bench/gemm_notes.md §6)
 HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
-SMEM_BUDGET = 200 * 1024   # leaves room on the SM for a PDL dependent's CTAs
-SMEM_MAX = 220 * 1024      # under the 227 KB an sm_90 CTA may use (barriers, alignment)
-MAX_STAGES = 16
 Y_STAGING_MIN_MMA_N = 64   # y through shared memory from 64 batch columns (GemmConfig.y_staging)
 PUBLISH_FIRST_MAX_MMA_N = 16  # split tiles publish before arriving up to 16 batch columns (GemmConfig)
 HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these M (GemmConfig)
 DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
-# L2 eviction hint for the W stream (CUTLASS's CacheHintSm90::EVICT_FIRST): weights are read
-# once per step, so they should not push x, the partials or the next kernel's data out of L2.
-EVICT_FIRST = 0x12F0000000000000
 
 
 def _round_up(a: int, b: int) -> int:
@@ -207,14 +202,7 @@ class GemmConfig:
         self.w_stage_bytes = self.w_boxes * HALF_ROWS * block_k * 2
         self.x_stage_bytes = self.col_wgs * self.mma_n * block_k * 2
         self.stage_bytes = self.w_stage_bytes + self.x_stage_bytes
-        # Pipeline depth: as many stages as SMEM_BUDGET holds, or the ``stages`` knob (up to
-        # the SM's 227 KB, which leaves no room for a PDL dependent's CTAs).
-        if stages is None:
-            stages = max(2, min(MAX_STAGES, SMEM_BUDGET // self.stage_bytes))
-        if not 2 <= stages <= MAX_STAGES or stages * self.stage_bytes > SMEM_MAX:
-            raise ValueError(f"stages={stages} unsupported: 2..{MAX_STAGES} stages of "
-                             f"{self.stage_bytes} bytes within {SMEM_MAX} bytes of shared memory")
-        self.stages = int(stages)
+        self.stages = pipeline_stages(stages, self.stage_bytes)
         # Iterations beyond the shared-memory stages whose W tiles are prefetched into L2
         # before the PDL wait, so HBM keeps streaming while the previous kernel finishes.
         if l2_prefetch is None:

@@ -58,6 +58,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .compile_cache import CompileCache
+from .smem_pipeline import EVICT_FIRST, pipeline_stages
 
 # PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
 PROLOGUE_INPUTS = ("weight",)
@@ -69,9 +70,6 @@ BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
 WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
 N_TILE_STEP = 16           # wgmma N steps of 8; CuTe DSL 4.8.1 needs an even number of 8-row atoms
 MAX_N_TILE = 256           # wgmma's largest N
-SMEM_BUDGET = 200 * 1024   # as kernels/gemm.py: leaves room on the SM for a PDL dependent's CTAs
-SMEM_MAX = 220 * 1024
-MAX_STAGES = 16
 FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more of the waves idle
 # When kernels/gemm.py's ``linear`` runs this kernel by default: plain shapes from WIDE_MIN_M
 # batch rows whose tiles fill one wave of the SMs to WIDE_MIN_FILL and whose batch tiles hold
@@ -83,8 +81,6 @@ FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more
 WIDE_MIN_M = 128
 WIDE_MIN_ROW_FILL = 0.9
 WIDE_MIN_FILL = 0.9
-# Evict-first L2 hint for W (read once per step), as kernels/gemm.py.
-EVICT_FIRST = 0x12F0000000000000
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -135,12 +131,7 @@ class WideGemmConfig:
         self.x_box_bytes = WG_ROWS * BLOCK_K * 2
         self.w_stage_bytes = self.n_tile * BLOCK_K * 2
         self.stage_bytes = self.wgs * self.x_box_bytes + self.w_stage_bytes
-        if stages is None:
-            stages = max(2, min(MAX_STAGES, SMEM_BUDGET // self.stage_bytes))
-        if not 2 <= stages <= MAX_STAGES or stages * self.stage_bytes > SMEM_MAX:
-            raise ValueError(f"stages={stages} unsupported: 2..{MAX_STAGES} stages of "
-                             f"{self.stage_bytes} bytes within {SMEM_MAX} bytes of shared memory")
-        self.stages = int(stages)
+        self.stages = pipeline_stages(stages, self.stage_bytes)
 
     @staticmethod
     def wave_fill(m: int, n: int, sms: int, batch_tile: int, n_tile: int) -> float:

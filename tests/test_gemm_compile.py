@@ -14,6 +14,7 @@ import pytest
 
 from graphc.kernels import gemm
 from graphc.kernels.gemm import EVICT_FIRST, GemmConfig, check_shape, linear_ptx
+from graphc.kernels.smem_pipeline import SMEM_BUDGET
 
 from gemm_shapes import SPEC_SHAPES  # noqa: E402
 from ptxas_tool import run_ptxas  # noqa: E402
@@ -137,7 +138,7 @@ def test_config_choices():
     assert cfg.stages * cfg.w_stage_bytes >= 64 * 1024
     cfg = GemmConfig(256, 7168, 10240)
     assert (cfg.mma_n, cfg.row_wgs, cfg.col_wgs, cfg.threads) == (128, 1, 2, 288)
-    assert cfg.stages * cfg.stage_bytes <= gemm.SMEM_BUDGET
+    assert cfg.stages * cfg.stage_bytes <= SMEM_BUDGET
     assert GemmConfig(3, 1024, 1024).mma_n == 8
     assert GemmConfig(200, 1024, 1024, halves=2).mma_n == 112         # two batch warpgroups
     # Plain shapes at 65-200 rows: each 64-row half of a tile on its own warpgroup, with
@@ -160,7 +161,7 @@ def test_tuning_knobs_round_trip_and_bounds():
     again = GemmConfig.from_key(cfg.key())
     assert again.key() == cfg.key() and repr(again) == repr(cfg)
     # The default depth fills SMEM_BUDGET; the knob may go up to SMEM_MAX, not beyond.
-    assert GemmConfig(64, 7168, 7168).stages == gemm.SMEM_BUDGET // GemmConfig(64, 7168, 7168).stage_bytes
+    assert GemmConfig(64, 7168, 7168).stages == SMEM_BUDGET // GemmConfig(64, 7168, 7168).stage_bytes
     assert GemmConfig(64, 7168, 7168, stages=9).stages == 9
     with pytest.raises(ValueError, match="stages=10"):
         GemmConfig(64, 7168, 7168, stages=10)           # 10 x 24 KB > SMEM_MAX
@@ -500,7 +501,7 @@ def test_wide_tile_choice(m, k, n, tile, ctas, default):
     # Every tile computed once, by the CTAs in turn.
     done = sorted(t for c in range(cfg.ctas) for t in cfg.tiles_of(c))
     assert done == list(range(cfg.tiles))
-    assert cfg.stages * cfg.stage_bytes <= gemm_wide.SMEM_BUDGET
+    assert cfg.stages * cfg.stage_bytes <= SMEM_BUDGET
 
 
 def test_plan_routes_between_the_two_kernels():
