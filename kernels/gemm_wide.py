@@ -18,9 +18,11 @@ Structure
 * **Tile shape** (``WideGemmConfig.choose_tile``): the largest (batch_tile, n_tile), counting
   only batch rows < M, whose tile count fills the grid's waves within 3% of the best (o_proj
   at 256 rows: 2 x 64 tiles of 128 x 112 on 132 SMs, 97%; at 128 rows 2 x 64 tiles of 64 x 112).
-* **Pairs of CTAs** (``cluster``): where the batch tiles and the grid are even, the two CTAs
-  on the two batch tiles of a W tile form a cluster, each loads half of the W box and
-  multicasts it into both, so W leaves L2 once per pair.
+* **Pairs of CTAs** (``cluster``): two CTAs that read the same operand form a cluster; each
+  loads half of that operand's box and multicasts it into both, so it leaves L2 once per
+  pair. Where the batch tiles and the grid are even, the pair is the two batch tiles of a W
+  tile and shares W; with a single batch tile (M <= 128) and several tiles per CTA it is two
+  neighbouring W tiles and shares x (``pair_shares``; measured slower with one tile per CTA).
 * **Batch rows past M**: a warpgroup's 64-row x box that would reach past row M is moved back
   to end at M (``x_rows``; rows computed twice are stored once), because TMA's zero fill of
   the rows past x cost up to 40% at 160-200 rows.
@@ -72,12 +74,13 @@ N_TILE_STEP = 16           # wgmma N steps of 8; CuTe DSL 4.8.1 needs an even nu
 MAX_N_TILE = 256           # wgmma's largest N
 FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more of the waves idle
 # When kernels/gemm.py's ``linear`` runs this kernel by default: plain shapes from WIDE_MIN_M
-# batch rows whose tiles fill one wave of the SMs to WIDE_MIN_FILL and whose batch tiles hold
-# at least WIDE_MIN_ROW_FILL real rows. Measured on an H200 against the stream-K kernel
-# (bench/gemm_notes.md §21): at 128 rows 6-12% faster on down, qkv and o_proj, at 240-256
+# batch rows whose tiles fill the SMs' waves to WIDE_MIN_FILL and whose batch tiles hold at
+# least WIDE_MIN_ROW_FILL real rows. Measured on an H200 against the stream-K kernel
+# (bench/gemm_notes.md §21, §22): at 128 rows 6-12% faster on down, qkv and o_proj, at 240-256
 # rows 6-18% on down and o_proj and 0-14% on qkv; at 160-224 rows slower (two 128-row batch
 # tiles compute 256 rows whatever M is; stream-K's batch columns follow M in steps of 16);
-# lm_head (several waves) ties.
+# lm_head (640-1280 tiles, several waves) 4% faster at 128 rows with x shared in pairs and
+# 2-3% at 256.
 WIDE_MIN_M = 128
 WIDE_MIN_ROW_FILL = 0.9
 WIDE_MIN_FILL = 0.9
@@ -111,19 +114,32 @@ class WideGemmConfig:
         self.n_tiles = self.n // self.n_tile
         self.tiles = self.batch_tiles * self.n_tiles
         self.ctas = min(self.tiles, self.sms)
-        # Clusters of two CTAs on the two batch tiles of one W tile (CTAs 2j, 2j + 1 compute
-        # tiles of the same W tile at every step of the persistent loop when the batch tiles
-        # and the grid are even): each loads half of the W box and multicasts it into both,
-        # so W leaves L2 once per pair (cuBLAS's 2 x 1 cluster there), for a pair that
-        # refills a stage only when both have released it. Measured on an H200 at 240-256 rows
-        # (bench/gemm_notes.md §21): qkv -5 to -14%, o_proj -1 to -10%, down +-3%; so on
-        # wherever the tiles pair up.
-        pairable = self.batch_tiles % 2 == 0 and self.ctas % 2 == 0
+        # Clusters of two CTAs that share an operand: each loads half of the shared box and
+        # multicasts it into both, so that operand leaves L2 once per pair for a pair that
+        # refills a stage only when both have released it.
+        # * "w": the two batch tiles of one W tile (CTAs 2j, 2j + 1 compute tiles of the same W
+        #   tile at every step of the persistent loop when the batch tiles and the grid are
+        #   even): cuBLAS's 2 x 1 cluster at 256 rows. Measured on an H200 at 240-256 rows
+        #   (bench/gemm_notes.md §21): qkv -5 to -14%, o_proj -1 to -10%, down +-3%.
+        # * "x": with one batch tile (M <= batch_tile), two neighbouring W tiles of it (an even
+        #   tile count and grid give both CTAs of a pair the same number of tiles), so the x
+        #   boxes, re-read for every tile, leave L2 once per pair. Measured (§22): -4% on
+        #   lm_head at 128 rows (640 tiles, 5 per CTA), but +1 to +5% wherever each CTA
+        #   computes one tile (qkv at 64 and 128 rows, o_proj at 64); so by default only over
+        #   several waves.
+        self.pair_shares = None
+        if self.ctas % 2 == 0 and self.batch_tiles % 2 == 0:
+            self.pair_shares = "w"
+        elif self.ctas % 2 == 0 and self.batch_tiles == 1 and self.tiles % 2 == 0:
+            self.pair_shares = "x"
         if cluster is None:
-            cluster = 2 if pairable else 1
-        if cluster not in (1, 2) or (cluster == 2 and not pairable):
-            raise ValueError(f"cluster={cluster} unsupported here (1, or 2 with an even number of batch "
-                             f"tiles ({self.batch_tiles}) and of CTAs ({self.ctas}))")
+            cluster = 2 if self.pair_shares == "w" or (self.pair_shares == "x" and self.tiles > self.ctas) else 1
+        if cluster not in (1, 2) or (cluster == 2 and not self.pair_shares):
+            raise ValueError(f"cluster={cluster} unsupported here (1, or 2 with an even grid ({self.ctas} "
+                             f"CTAs) and an even number of batch tiles ({self.batch_tiles}) or one batch "
+                             f"tile and an even number of W tiles ({self.n_tiles}))")
+        if cluster == 1:
+            self.pair_shares = None
         self.cluster = int(cluster)
         self.k_blocks = self.k // BLOCK_K
         self.threads = 128 * self.wgs + 32        # + one producer warp
@@ -178,12 +194,13 @@ class WideGemmConfig:
 
 
 def default_applies(m: int, n: int, epilogue: str | None, sms: int) -> bool:
-    """Whether ``linear`` runs this kernel by default for (M, N, epilogue) on ``sms`` SMs."""
+    """Whether ``linear`` runs this kernel by default for (M, N, epilogue) on ``sms`` SMs: plain
+    shapes from WIDE_MIN_M rows whose tiles fill the grid's waves (one or several) and are
+    mostly real batch rows."""
     if epilogue is not None or m < WIDE_MIN_M or n % N_TILE_STEP:
         return False
     batch_tile, n_tile = WideGemmConfig.choose_tile(m, n, sms)
-    return (_ceil_div(m, batch_tile) * (n // n_tile) <= sms
-            and WideGemmConfig.wave_fill(m, n, sms, batch_tile, n_tile) >= WIDE_MIN_FILL
+    return (WideGemmConfig.wave_fill(m, n, sms, batch_tile, n_tile) >= WIDE_MIN_FILL
             and WideGemmConfig.row_fill(m, batch_tile) >= WIDE_MIN_ROW_FILL)
 
 
@@ -216,12 +233,13 @@ class WideGemmKernel:
         # Per stage: one 64 x 64 x buffer per consumer warpgroup (A), one n_tile x 64 W buffer (B).
         sX_layout = sm90_utils.make_smem_layout_a(k_major, mma_tiler, BFloat16, cfg.stages * cfg.wgs)
         sW_layout = sm90_utils.make_smem_layout_b(k_major, mma_tiler, BFloat16, cfg.stages)
+        # In a pair each CTA loads half of the shared operand's box rows and multicasts them to both.
+        x_mcast = 2 if const_expr(cfg.pair_shares == "x") else 1
+        w_mcast = 2 if const_expr(cfg.pair_shares == "w") else 1
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(sX_layout, (None, None, 0)), (WG_ROWS, BLOCK_K))
-        # In a cluster each CTA loads half of the W box's rows and multicasts them to both.
-        w_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(cfg.cluster > 1) else cpasync.CopyBulkTensorTileG2SOp()
+            _tma_op(x_mcast), mX, cute.slice_(sX_layout, (None, None, 0)), (WG_ROWS, BLOCK_K), num_multicast=x_mcast)
         tma_w, mW_tma = cpasync.make_tiled_tma_atom(
-            w_op, mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K), num_multicast=cfg.cluster)
+            _tma_op(w_mcast), mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K), num_multicast=w_mcast)
 
         @cute.struct
         class SharedStorage:
@@ -310,8 +328,9 @@ class WideGemmKernel:
     def producer(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters):
         cfg = self.cfg
         gW = cute.local_tile(mW_tma, (cfg.n_tile, BLOCK_K), (None, None))
-        tWsW, tWgW = cpasync.tma_partition(   # in a cluster: this CTA's half of the rows
-            tma_w, rank, cute.make_layout(cfg.cluster), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        w_mcast = 2 if const_expr(cfg.pair_shares == "w") else 1
+        tWsW, tWgW = cpasync.tma_partition(   # sharing W in a pair: this CTA's half of the rows
+            tma_w, rank % w_mcast, cute.make_layout(w_mcast), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
         evict_first = Int64(EVICT_FIRST)
 
         # Before the PDL wait: W only, into the fresh stages, each barrier armed with the
@@ -323,14 +342,14 @@ class WideGemmKernel:
             self.load_w(tma_w, tWgW, tWsW, cta, i, i, full + i, evict_first)
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(n_pre, unroll=1):
-            self.load_x(tma_x, mX_tma, sX, cta, i, i, full + i)
+            self.load_x(tma_x, mX_tma, sX, cta, rank, i, i, full + i)
         for i in cutlass.range(n_pre, n_iters, unroll=1):
             s = i % cfg.stages
             cute.arch.mbarrier_wait(empty + s, ((i // cfg.stages) % 2) ^ 1)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_bytes)
             self.load_w(tma_w, tWgW, tWsW, cta, i, s, full + s, evict_first)
-            self.load_x(tma_x, mX_tma, sX, cta, i, s, full + s)
+            self.load_x(tma_x, mX_tma, sX, cta, rank, i, s, full + s)
 
     @cute.jit
     def load_w(self, tma_w, tWgW, tWsW, cta, i: Int32, stage: Int32, bar, evict_first: Int64):
@@ -338,27 +357,32 @@ class WideGemmKernel:
         cfg = self.cfg
         local = i // cfg.k_blocks
         n_blk, _ = self.tile_coords(cta, local)
-        if const_expr(cfg.cluster > 1):
+        if const_expr(cfg.pair_shares == "w"):
             cute.copy(tma_w, tWgW[(None, n_blk, i - local * cfg.k_blocks)], tWsW[(None, stage)],
-                      tma_bar_ptr=bar, cache_policy=evict_first, mcast_mask=cutlass.Int16((1 << cfg.cluster) - 1))
+                      tma_bar_ptr=bar, cache_policy=evict_first, mcast_mask=cutlass.Int16(0b11))
         else:
             cute.copy(tma_w, tWgW[(None, n_blk, i - local * cfg.k_blocks)], tWsW[(None, stage)],
                       tma_bar_ptr=bar, cache_policy=evict_first)
 
     @cute.jit
-    def load_x(self, tma_x, mX_tma, sX, cta, i: Int32, stage: Int32, bar):
+    def load_x(self, tma_x, mX_tma, sX, cta, rank, i: Int32, stage: Int32, bar):
         """TMA of iteration i's x boxes: 64 batch rows per consumer warpgroup (``x_rows``), its
-        k-block."""
+        k-block; sharing x in a pair, this CTA's half of each box's rows, multicast to both."""
         cfg = self.cfg
         local = i // cfg.k_blocks
         _, b_blk = self.tile_coords(cta, local)
+        x_mcast = 2 if const_expr(cfg.pair_shares == "x") else 1
         for w in cutlass.range_constexpr(cfg.wgs):
             _, start = self.x_rows(b_blk, w)
             gX = cute.local_tile(cute.domain_offset((start, 0), mX_tma), (WG_ROWS, BLOCK_K), (0, None))
             tXsX, tXgX = cpasync.tma_partition(
-                tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-            cute.copy(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)],
-                      tma_bar_ptr=bar)
+                tma_x, rank % x_mcast, cute.make_layout(x_mcast), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+            if const_expr(x_mcast > 1):
+                cute.copy(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)],
+                          tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
+            else:
+                cute.copy(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)],
+                          tma_bar_ptr=bar)
 
     @cute.jit
     def release(self, bar) -> None:
@@ -418,6 +442,11 @@ class WideGemmKernel:
                         m = start + row
                         if m >= owned and m < cfg.m:
                             store_bf16x2(mY.iterator + (m * cfg.n + col0 + col), acc[j], acc[j + 1])
+
+
+def _tma_op(multicast: int):
+    """The bulk tensor copy into shared memory: multicast into a pair, or into this CTA only."""
+    return cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
 
 
 def store_bf16x2(dst, lo: Float32, hi: Float32) -> None:

@@ -77,6 +77,12 @@ TUNING_CASES = [
     (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=1)),
     (160, 8192, 7168, None, dict(wide=1)),            # x boxes moved back from past row M
     (70, 1024, 1024, None, dict(wide=1, batch_tile=128)),
+    # One batch tile: pairs of neighbouring W tiles share x (the default over several waves),
+    # zero-filled rows past M in one CTA's half of the box, one tile per CTA.
+    (64, 7168, 10240, None, dict(wide=1, cluster=2)),
+    (32, 8192, 7168, None, dict(wide=1, cluster=2)),
+    (64, 1024, 36864, None, dict(wide=1, n_tile=64)),
+    (128, 7168, 10240, None, dict(wide=1, cluster=2)),
     (256, 8192, 7168, None, dict(wide=0)),
     (256, 7168, 10240, None, dict(wide=0)),
 ]

@@ -481,22 +481,24 @@ from graphc.kernels import gemm_wide  # noqa: E402
 from graphc.kernels.gemm_wide import WideGemmConfig  # noqa: E402
 
 
-@pytest.mark.parametrize("m, k, n, tile, ctas, default", [
-    (256, 8192, 7168, (128, 112), 128, True),       # o_proj: cuBLAS's own choice there (ncu)
-    (256, 18432, 7168, (128, 112), 128, True),      # down
-    (256, 7168, 10240, (128, 160), 128, True),      # qkv
-    (128, 8192, 7168, (64, 112), 128, True),        # 128 x 56: an odd number of 8-row atoms
-    (128, 7168, 10240, (128, 80), 128, True),
-    (128, 7168, 163840, (128, 256), 132, False),    # lm_head: 640 tiles, 5 waves of a persistent grid
-    (200, 8192, 7168, (128, 112), 128, False),      # the second batch tile 56% padding
-    (240, 8192, 7168, (128, 112), 128, True),
-    (64, 8192, 7168, (64, 64), 112, False),         # one batch tile: 112 tiles fill 85% of the SMs
+@pytest.mark.parametrize("m, k, n, tile, ctas, pair_shares, default", [
+    (256, 8192, 7168, (128, 112), 128, "w", True),     # o_proj: cuBLAS's own choice there (ncu)
+    (256, 18432, 7168, (128, 112), 128, "w", True),    # down
+    (256, 7168, 10240, (128, 160), 128, "w", True),    # qkv
+    (128, 8192, 7168, (64, 112), 128, "w", True),      # 128 x 56: an odd number of 8-row atoms
+    (128, 7168, 10240, (128, 80), 128, None, True),    # one batch tile, one tile per CTA: no pairs
+    (128, 7168, 163840, (128, 256), 132, "x", True),   # lm_head: 640 tiles, 5 waves; pairs share x
+    (256, 7168, 163840, (128, 256), 132, "w", True),   # ... 1280 tiles; pairs share W
+    (200, 8192, 7168, (128, 112), 128, "w", False),    # the second batch tile 56% padding
+    (240, 8192, 7168, (128, 112), 128, "w", True),
+    (64, 8192, 7168, (64, 64), 112, None, False),      # below WIDE_MIN_M
+    (64, 1024, 8384, (64, 64), 131, None, False),      # an odd number of tiles: no pairs
 ])
-def test_wide_tile_choice(m, k, n, tile, ctas, default):
+def test_wide_tile_choice(m, k, n, tile, ctas, pair_shares, default):
     cfg = WideGemmConfig(m, k, n, 132)
     assert isinstance(gemm.plan(m, k, n, None, 132), WideGemmConfig) == default
     assert (cfg.batch_tile, cfg.n_tile) == tile and cfg.ctas == ctas
-    assert cfg.cluster == (2 if cfg.batch_tiles % 2 == 0 and cfg.ctas % 2 == 0 else 1)
+    assert cfg.pair_shares == pair_shares and cfg.cluster == (2 if pair_shares else 1)
     assert (WideGemmConfig.wave_fill(m, n, 132, *tile) >= gemm_wide.WIDE_MIN_FILL) or not default
     # Every tile computed once, by the CTAs in turn.
     done = sorted(t for c in range(cfg.ctas) for t in cfg.tiles_of(c))
@@ -514,8 +516,12 @@ def test_plan_routes_between_the_two_kernels():
     assert isinstance(gemm.plan(8, 8192, 7168, None, 132, wide=1), WideGemmConfig)
     assert gemm.plan(256, 8192, 7168, None, 132).cluster == 2
     assert gemm.plan(256, 8192, 7168, None, 132, cluster=1).cluster == 1
+    # One batch tile: pairs of W tiles may share x; by default only over several waves.
+    assert gemm.plan(128, 7168, 10240, None, 132, cluster=2).pair_shares == "x"
+    assert gemm.plan(128, 7168, 163840, None, 132, cluster=1).pair_shares is None
+    assert gemm.plan(150, 8192, 7168, None, 132, wide=1, batch_tile=64).cluster == 1  # three batch tiles
     with pytest.raises(ValueError, match="cluster=2 unsupported"):
-        gemm.plan(128, 7168, 10240, None, 132, cluster=2)      # one batch tile: no pair
+        gemm.plan(150, 8192, 7168, None, 132, wide=1, batch_tile=64, cluster=2)
     wide = gemm.plan(256, 8192, 7168, None, 132, n_tile=224, stages=3)
     assert (wide.n_tile, wide.stages, wide.batch_tile) == (224, 3, 128)
     assert gemm.cache_of(wide) is gemm_wide.compile_cache() and gemm.cache_of(gemm.plan(8, 1024, 1024)) is gemm.compile_cache()
@@ -544,6 +550,7 @@ def test_plan_routes_between_the_two_kernels():
     (200, 8192, 7168, {"cluster": 1}),
     (128, 7168, 163840, {}),                  # several tiles per CTA
     (3, 2816, 1024, {"n_tile": 64, "batch_tile": 128}),
+    (64, 8192, 7168, {"cluster": 2}),         # one batch tile: x shared by pairs of W tiles
 ])
 def test_wide_ptx(m, k, n, tuning):
     cfg = gemm.plan(m, k, n, None, 132, wide=1, **tuning)
@@ -565,8 +572,12 @@ def test_wide_ptx(m, k, n, tuning):
     assert not re.search(r"(?<![\w.])(atom|red)\.", ptx)
     # y: one 4-byte store per pair of adjacent columns (two bf16 rounded by one cvt).
     assert "st.global.b32" in ptx and "cvt.rn.bf16x2.f32" in ptx and "st.global.b16" not in ptx
-    # Clusters of two: W multicast into both CTAs, stages released in both.
-    assert ("multicast::cluster" in ptx) == (cfg.cluster == 2)
+    # Clusters of two: the shared operand (x's or W's loads, never both) multicast into both
+    # CTAs, stages released in both.
+    evict_first = {r for r, v in re.findall(r"mov\.b64\s+(%rd\d+),\s*(\d+);", ptx) if int(v) == EVICT_FIRST}
+    multicast = {line.rstrip(";").split(",")[-1].strip() in evict_first     # W's loads carry that hint
+                 for line in ptx.splitlines() if "cp.async.bulk.tensor" in line and "multicast::cluster" in line}
+    assert multicast == ({"x": {False}, "w": {True}, None: set()}[cfg.pair_shares])
     assert ("mbarrier.arrive.shared::cluster" in ptx) == (cfg.cluster == 2)
 
 
