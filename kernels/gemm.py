@@ -23,7 +23,9 @@ Structure
   at 65-200 batch rows it is the same 128 rows as two 64-row units on two warpgroups, each
   with every batch column (``HALF_WGS_ROWS``); above 128 rows otherwise two warpgroups split
   the batch. (The ``row_wgs`` knob puts two units side by side in general; with 128-row
-  units that is a 256-row tile.)
+  units that is a 256-row tile.) Where 64-row units nearly fill the SMs one per SM at
+  129-256 rows (o_proj, down), each CTA takes one of them over the whole of K with every
+  batch column and nothing is split (``UNIT_PER_CTA_ROWS``).
 * **Stream-K over a persistent grid**: the (tile, k-block) iterations are laid end to end and
   cut into ``ctas`` equal contiguous ranges (ctas = number of SMs), one per CTA, so every SM
   streams the same number of weight bytes (at most one k-block apart) whatever N/128 is. A tile
@@ -111,6 +113,8 @@ HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
 Y_STAGING_MIN_MMA_N = 64   # y through shared memory from 64 batch columns (GemmConfig.y_staging)
 PUBLISH_FIRST_MAX_MMA_N = 16  # split tiles publish before arriving up to 16 batch columns (GemmConfig)
 HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these M (GemmConfig)
+UNIT_PER_CTA_ROWS = (129, 256)  # plain shapes: one whole-K 64-row unit per CTA at these M ...
+UNIT_PER_CTA_MIN_FILL = 0.8     # ... when the units fill this share of the SMs (GemmConfig)
 DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
 
 
@@ -150,7 +154,19 @@ class GemmConfig:
         # sharing the epilogue and the reduction, the same tiles and stages. Measured on an
         # H200 (bench/gemm_notes.md §13): 0-7.5% faster at M = 128 and 4.5-7.7% at 200 on
         # down / qkv / o_proj, the same at M <= 64, mixed at 256 (o_proj +7%).
+        # Plain shapes at UNIT_PER_CTA_ROWS batch rows whose 64-row units nearly fill the SMs
+        # one per SM (o_proj and down: 112 units on 132 SMs): each CTA computes one unit over
+        # the whole of K with every batch column in one warpgroup, so nothing is split and
+        # there is no reduction; the grid is the units. cuBLAS's own tiling of o_proj at
+        # 144-208 rows (64 W rows x all batch rows on 112 CTAs). Measured on an H200
+        # (bench/gemm_notes.md §22): o_proj 10-22% faster than the split at 144-208 rows.
+        self.unit_per_cta = False
         if (halves, row_wgs, col_wgs) == (None, None, None) and not self.silu \
+                and UNIT_PER_CTA_ROWS[0] <= m <= UNIT_PER_CTA_ROWS[1] and n % HALF_ROWS == 0 \
+                and UNIT_PER_CTA_MIN_FILL * ctas <= n // HALF_ROWS <= ctas:
+            halves, row_wgs, col_wgs = 1, 1, 1
+            self.unit_per_cta = True
+        elif (halves, row_wgs, col_wgs) == (None, None, None) and not self.silu \
                 and HALF_WGS_ROWS[0] <= m <= HALF_WGS_ROWS[1] and n % (2 * HALF_ROWS) == 0:
             halves, row_wgs, col_wgs = 1, 2, 1
         # Units: two halves when they exist (silu: gate + up; else 128 contiguous rows), or
@@ -192,7 +208,7 @@ class GemmConfig:
         self.wgs = self.row_wgs * self.col_wgs
         self.tiles = self.units // self.row_wgs
         self.iters = self.tiles * self.k_blocks
-        self.ctas = self._ctas_for(self.tiles, ctas)
+        self.ctas = self.tiles if self.unit_per_cta else self._ctas_for(self.tiles, ctas)
         self.max_segs = max(self.cta_of((t + 1) * self.k_blocks - 1) - self.cta_of(t * self.k_blocks) + 1
                             for t in range(self.tiles))
 

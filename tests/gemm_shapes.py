@@ -60,7 +60,7 @@ TUNING_CASES = [
     (8, 8192, 7168, None, dict(publish_first=0)),
     (1, 1024, 1024, None, dict(publish_first=0)),
     (64, 7168, 36864, "silu_mul", dict(publish_first=1)),
-    (256, 8192, 7168, None, dict(publish_first=1)),
+    (256, 7168, 10240, None, dict(publish_first=1)),
     # Whole-K tiles (kernels/gemm_wide.py), the default for plain shapes at 128 and 231-256
     # rows when one wave of tiles fills the SMs: 64-row batch tiles, several tiles per CTA
     # (a persistent loop), a padded batch tile, forced at few rows, a shallow pipeline, pairs
@@ -83,8 +83,12 @@ TUNING_CASES = [
     (32, 8192, 7168, None, dict(wide=1, cluster=2)),
     (64, 1024, 36864, None, dict(wide=1, n_tile=64)),
     (128, 7168, 10240, None, dict(wide=1, cluster=2)),
-    (256, 8192, 7168, None, dict(wide=0)),
+    (256, 8192, 7168, None, dict(wide=0)),            # one 64-row unit per CTA, mma_n 256
     (256, 7168, 10240, None, dict(wide=0)),
+    # One 64-row unit per CTA over the whole of K (the stream-K kernel's default for o_proj
+    # and down at 129-230 rows), a padded batch column block, y staged in the x buffer.
+    (160, 8192, 7168, None, dict()),
+    (137, 18432, 7168, None, dict()),
 ]
 
 # Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for

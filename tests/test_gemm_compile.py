@@ -145,7 +145,8 @@ def test_config_choices():
     # every batch column (M = 200: wgmma N = 208); silu_mul and 256 rows keep one unit.
     for m, k, n, e, layout in [(65, 8192, 7168, None, (1, 2, 1, 80)), (128, 18432, 7168, None, (1, 2, 1, 128)),
                                (200, 1024, 1024, None, (1, 2, 1, 208)), (64, 8192, 7168, None, (2, 1, 1, 64)),
-                               (256, 8192, 7168, None, (2, 1, 2, 128)),
+                               (256, 7168, 10240, None, (2, 1, 2, 128)),
+                               (256, 8192, 7168, None, (1, 1, 1, 256)),      # one unit per CTA
                                (128, 7168, 36864, "silu_mul", (2, 1, 1, 128))]:
         cfg = GemmConfig(m, k, n, e)
         assert (cfg.halves, cfg.row_wgs, cfg.col_wgs, cfg.mma_n) == layout, (m, n, e)
@@ -174,11 +175,32 @@ def test_split_reduction_paths():
     pipeline when the others fit (M <= 128 here), else in rounds of what fits (M > 128)."""
     cfg = GemmConfig(64, 8192, 7168)
     assert cfg.bulk_reduce and (cfg.max_segs - 1) * cfg.slot_bytes <= cfg.stages * cfg.stage_bytes
-    cfg = GemmConfig(256, 8192, 7168)                   # 128 KB partials, 192 KB of buffers
-    assert (cfg.bulk_reduce, cfg.partials_per_round, cfg.max_segs) == (False, 1, 4)
+    cfg = GemmConfig(256, 8192, 7168, halves=2)         # (not one unit per CTA): 192 KB of buffers
+    assert (cfg.bulk_reduce, cfg.partials_per_round, cfg.max_segs) == (False, 1, 4)   # 128 KB partials
     cfg = GemmConfig(129, 1024, 1024)                   # mma_n 80: 80 KB partials
     assert (cfg.bulk_reduce, cfg.partials_per_round) == (False, 2)
     assert cfg.frag % 4 == 0 and cfg.frag % 16 != 0     # the GPU test that caught a 16-wide loop
+
+
+def test_one_unit_per_cta_where_64_row_units_fill_the_sms():
+    """Plain shapes at 129-256 rows whose 64-row units nearly fill the SMs one per SM (o_proj,
+    down: 112 on 132): one unit per CTA over the whole of K, every batch column in one
+    warpgroup, no split tile anywhere."""
+    for m in (129, 160, 208, 256):
+        for k in (8192, 18432):
+            cfg = GemmConfig(m, k, 7168)
+            assert cfg.ctas == cfg.tiles == 112 and cfg.max_segs == 1
+            assert (cfg.halves, cfg.row_wgs, cfg.col_wgs, cfg.mma_n) == (1, 1, 1, -(-m // 16) * 16)
+            assert all(cfg.cta_range(c) == (c * cfg.k_blocks, (c + 1) * cfg.k_blocks) for c in range(cfg.ctas))
+            again = GemmConfig.from_key(cfg.key())       # the compile cache rebuilds it from its key
+            assert again.key() == cfg.key() and again.max_segs == 1
+    assert GemmConfig(160, 8192, 7168).y_places == [("x", 0)]      # y staged in the x buffer
+    assert GemmConfig(128, 8192, 7168).ctas == 132                   # 128 rows: split halves
+    assert GemmConfig(160, 7168, 10240).max_segs > 1                 # qkv: 160 units > 132 SMs
+    assert GemmConfig(160, 1024, 1024).max_segs > 1                  # 16 units on 21 CTAs
+    assert GemmConfig(160, 7168, 36864, "silu_mul").max_segs > 1
+    assert GemmConfig(160, 8192, 7168, halves=2).max_segs > 1        # explicit knobs win
+    assert isinstance(gemm.plan(200, 8192, 7168), GemmConfig)        # below the whole-K tiles' rows
 
 
 def test_publish_first_where_ranges_end_in_one_tile():
@@ -222,12 +244,12 @@ def test_y_staging_places():
     assert GemmConfig(64, 18432, 7168, row_wgs=2).y_places == [("w", 0), ("w", 64 * 64)]
     assert GemmConfig(128, 7168, 36864, "silu_mul", row_wgs=2).y_places == [("w", 0)]
     assert GemmConfig(128, 18432, 7168, row_wgs=2).y_places is None     # x buffer shared
-    assert GemmConfig(256, 8192, 7168).y_places is None
+    assert GemmConfig(256, 7168, 10240).y_places is None
     assert GemmConfig(64, 8192, 7168).y_staging == 1 and GemmConfig(64, 8192, 7168).y_held
     assert GemmConfig(8, 8192, 7168).y_staging == 0 and GemmConfig(8, 8192, 7168, y_staging=1).y_held
     assert GemmConfig(64, 8192, 7168, y_staging=0).y_staging == 0
     # Two batch warpgroups: the last tile's output goes through the drained pipeline (64 KB).
-    cfg = GemmConfig(256, 8192, 7168)
+    cfg = GemmConfig(256, 7168, 10240)
     assert cfg.y_staging == 1 and not cfg.y_held
     cfg = GemmConfig(256, 1024, 5632, "silu_mul", block_k=128, stages=2)   # 2 x 96 KB stages
     assert cfg.y_staging == 1 and not cfg.y_held
@@ -238,8 +260,9 @@ def test_y_staging_places():
 def test_ptx_y_stores(m, epilogue, staged):
     """y_staging: bf16 into shared memory, y out as 16-byte vectors, no 2-byte global store
     (M = 256: the last tile only); without it 2-byte stores straight from the fragments."""
-    n = 36864 if epilogue else 7168
-    ptx = gemm.linear_ptx(m, 8192 if not epilogue else 7168, n, epilogue, y_staging=int(staged))
+    # (qkv at 256 rows: o_proj's 64-row units would be one per CTA there, y held in x's buffer)
+    k, n = (7168, 36864) if epilogue else (7168, 10240) if m == 256 else (8192, 7168)
+    ptx = gemm.linear_ptx(m, k, n, epilogue, y_staging=int(staged))
     assert ("st.shared.b16" in ptx) == staged
     # M = 256 stages only its last tile; a full tile earlier in the range stores directly.
     assert bool(re.search(r"st\.global\.b16", ptx)) == (not staged or m > 128)
@@ -297,7 +320,9 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.mma_n}k16.f32.bf16.bf16" in ptx
     # Split-K reduction: an arrival counter; arrive first: release (fence + red) / acquire
     # (polling loads) of the publication; publish first: one acquire-release arrival. Partials
-    # stored and loaded (L2 only) as 16-byte vectors.
+    # stored and loaded (L2 only) as 16-byte vectors. (One unit per CTA never takes that
+    # path but keeps it: a compile-time branch around it made ptxas serialize the main loop's
+    # wgmma, C7514, and the kernel 1.7x slower; bench/gemm_notes.md §22.)
     if cfg.publish_first:
         assert "atom.global.acq_rel.add" in ptx
     else:
@@ -343,6 +368,7 @@ def test_ptx_spec_shapes(m, k, n, epilogue):
         (3, 1024, 1024, None),            # odd M: masked batch rows
         (200, 1024, 5632, "silu_mul"),    # two batch warpgroups, the second partly padded
         (256, 7168, 10240, None),         # M = 256: 2 x m64n128 per k-step
+        (160, 8192, 7168, None),          # one 64-row unit per CTA, m64n160, no split
         (8, 128, 192, None),              # N not a multiple of 128: one 64-row half per tile
     ],
 )
@@ -398,7 +424,7 @@ def test_sass_m1_tma_loads_are_2d(tmp_path):
 @pytest.mark.skipif(shutil.which("ptxas") is None or shutil.which("cuobjdump") is None
                     or shutil.which("nvdisasm") is None,
                     reason="needs ptxas, cuobjdump and nvdisasm (CUDA toolkit)")
-@pytest.mark.parametrize("m, k, n", [(256, 8192, 7168), (200, 7168, 10240)])
+@pytest.mark.parametrize("m, k, n", [(256, 7168, 10240), (200, 7168, 10240)])
 def test_sass_spills_only_after_the_main_loop(tmp_path, m, k, n):
     """M = 256 and 200 plain spill a little in the split reduction (test_register_spills): no
     local memory access may come before the main loop's last wgmma."""
@@ -434,11 +460,12 @@ def test_ptx_block_k_128(m, k, n, epilogue):
         # M = 256 plain: the split reduction has two paths (partials staged in rounds, or the
         # register path for a reducer that is not first in CTA order); ptxas spills ~0.5 KB
         # around them, after the main loop (SASS: no local memory access before the last HGMMA).
-        (256, 8192, 7168, None, 640),
+        (256, 7168, 10240, None, 640),
         # A 64-row half per warpgroup (65-200 rows): none at 128; at 200 (104 accumulators per
         # thread) ~0.5 KB, also after the main loop (test_sass_spills_only_after_the_main_loop).
         (128, 8192, 7168, None, 0),
         (200, 7168, 10240, None, 640),
+        (160, 8192, 7168, None, 0),          # one 64-row unit per CTA, 80 accumulators
     ],
 )
 def test_register_spills(tmp_path, m, k, n, epilogue, max_spill):
@@ -447,6 +474,9 @@ def test_register_spills(tmp_path, m, k, n, epilogue, max_spill):
     report = run_ptxas(src, tmp_path / "gemm.cubin", "-v")
     spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert spill <= max_spill, report
+    # ptxas serializes the main loop's wgmma when other instructions may read the accumulators
+    # in flight (C7514): 1.7x slower at 160 rows when it happened (bench/gemm_notes.md §22).
+    assert "C7514" not in report, report
 
 
 def test_compile_cache_reuses(tmp_path, monkeypatch):
