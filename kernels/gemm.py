@@ -104,7 +104,7 @@ EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
 TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
-                "publish_first")
+                "publish_first", "cluster")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
@@ -134,7 +134,7 @@ class GemmConfig:
     def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS, *,
                  block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None,
                  stages: int | None = None, halves: int | None = None, y_staging: int | None = None,
-                 col_wgs: int | None = None, publish_first: int | None = None):
+                 col_wgs: int | None = None, publish_first: int | None = None, cluster: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -288,6 +288,23 @@ class GemmConfig:
         if publish_first not in (0, 1):
             raise ValueError(f"publish_first={publish_first} unsupported: 0 or 1")
         self.publish_first = int(publish_first)
+        # Clusters sharing x (``cluster`` CTAs): where every CTA streams one whole tile, all of
+        # them read the same x boxes in the same order, so ``cluster`` neighbouring CTAs can
+        # each load 1/cluster of every x box and multicast it into all of them: x leaves L2
+        # once per cluster (cuBLAS's 4 x 1 clusters at o_proj 144-208 rows). The slices must be
+        # whole 8-row swizzle atoms. Measured on an H200 (bench/gemm_notes.md §22, two runs):
+        # pairs 5-15% slower (each stage refilled only when both CTAs released it), clusters of
+        # four -1 to -8% on 10 of 12 o_proj / down rows at 160-224 and +1.5 / +10% on two; off
+        # by default.
+        if cluster is None:
+            cluster = 1
+        shares_x = self.max_segs == 1 and self.ctas == self.tiles and self.ctas % cluster == 0 \
+            and self.mma_n % (8 * cluster) == 0
+        if cluster not in (1, 2, 4) or (cluster > 1 and not shares_x):
+            raise ValueError(f"cluster={cluster} unsupported here (1; 2 or 4 when every CTA computes one "
+                             f"whole tile ({self.ctas} CTAs, {self.tiles} tiles), the grid divides into "
+                             f"clusters and the x box's {self.mma_n} rows into 8-row slices per CTA)")
+        self.cluster = int(cluster)
 
     def _y_places(self) -> list[tuple[str, int]] | None:
         """Per output half: ("w", element offset into the warpgroup's W boxes of a stage) or
@@ -342,7 +359,7 @@ class GemmConfig:
                 f"ctas={self.ctas}, tiles={self.tiles}, block_k={self.block_k}, k_blocks={self.k_blocks}, "
                 f"stages={self.stages}, wgs={self.row_wgs}x{self.col_wgs}, mma_n={self.mma_n}, "
                 f"l2_prefetch={self.l2_prefetch}, y_staging={self.y_staging}, "
-                f"publish_first={self.publish_first})")
+                f"publish_first={self.publish_first}, cluster={self.cluster})")
 
 
 def check_shape(m: int, k: int, n: int, epilogue: str | None = None) -> None:
@@ -432,9 +449,10 @@ class DecodeGemmKernel:
             cpasync.CopyBulkTensorTileG2SOp(), mW,
             cute.slice_(sW_layout, (None, None, 0)), (HALF_ROWS, cfg.block_k),
         )
+        # In a cluster each CTA loads 1/cluster of every x box's rows and multicasts them.
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mX,
-            cute.slice_(sX_layout, (None, None, 0)), (cfg.mma_n, cfg.block_k),
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(cfg.cluster > 1) else cpasync.CopyBulkTensorTileG2SOp(),
+            mX, cute.slice_(sX_layout, (None, None, 0)), (cfg.mma_n, cfg.block_k), num_multicast=cfg.cluster,
         )
 
         @cute.struct
@@ -453,6 +471,7 @@ class DecodeGemmKernel:
         ).launch(
             grid=[cfg.ctas, 1, 1],
             block=[cfg.threads, 1, 1],
+            cluster=[cfg.cluster, 1, 1] if const_expr(cfg.cluster > 1) else None,
             stream=stream,
             use_pdl=use_pdl,
         )
@@ -502,11 +521,17 @@ class DecodeGemmKernel:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(cfg.stages):
                     cute.arch.mbarrier_init(full + s, 1)
-                    # One release per consumer warp.
-                    cute.arch.mbarrier_init(empty + s, 4 * cfg.wgs)
+                    # One release per consumer warp of each CTA of the cluster (all of
+                    # them multicast x into this stage).
+                    cute.arch.mbarrier_init(empty + s, 4 * cfg.wgs * cfg.cluster)
                 cute.arch.mbarrier_init(staged, 1)
             cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(cfg.cluster > 1):
+            # No CTA may multicast into a peer or arrive on its barriers before they exist.
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         # This CTA's contiguous range [g_begin, g_end) of (tile, k-block) iterations.
         g_begin = (cta * cfg.iters) // cfg.ctas
@@ -514,12 +539,16 @@ class DecodeGemmKernel:
         n_iters = g_end - g_begin
 
         if warp == cfg.producer_warp:
-            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, g_begin, n_iters)
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, g_begin, n_iters, cta % cfg.cluster)
         else:
             # Consumers touch global memory (workspace, counters, y) only after the wait.
             cute.arch.griddepcontrol_wait()
             self.consumer(tiled_mma, sW, sX, full, empty, flag, staged, stage_area, stage_bufs, mY, mWs,
                           mCount, cta, tidx, warp, lane, g_begin, g_end)
+        if const_expr(cfg.cluster > 1):
+            # No CTA exits while a peer may still multicast into it or arrive on its barriers.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     # --------------------------------------------------------------------------------------------
     @cute.jit
@@ -532,15 +561,15 @@ class DecodeGemmKernel:
         return unit * cfg.halves + half
 
     @cute.jit
-    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, g_begin, n_iters):
+    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, g_begin, n_iters, rank):
         cfg = self.cfg
         # (TMA, row_block, k_block) views of W and x; (TMA, buffer) views of shared memory.
         gW = cute.local_tile(mW_tma, (HALF_ROWS, cfg.block_k), (None, None))
         gX = cute.local_tile(mX_tma, (cfg.mma_n, cfg.block_k), (None, None))
         tWsW, tWgW = cpasync.tma_partition(
             tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-        tXsX, tXgX = cpasync.tma_partition(
-            tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        tXsX, tXgX = cpasync.tma_partition(   # in a cluster: this CTA's slice of the rows
+            tma_x, rank, cute.make_layout(cfg.cluster), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
         evict_first = Int64(EVICT_FIRST)
 
         # Prologue, before the PDL wait: weight traffic only. The stages are fresh (no empty
@@ -597,7 +626,22 @@ class DecodeGemmKernel:
         cfg = self.cfg
         kb = g - (g // cfg.k_blocks) * cfg.k_blocks
         for c in cutlass.range_constexpr(cfg.col_wgs):
-            cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, stage * cfg.col_wgs + c)], tma_bar_ptr=bar)
+            if const_expr(cfg.cluster > 1):
+                cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, stage * cfg.col_wgs + c)], tma_bar_ptr=bar,
+                          mcast_mask=cutlass.Int16((1 << cfg.cluster) - 1))
+            else:
+                cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, stage * cfg.col_wgs + c)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def release(self, bar) -> None:
+        """Free a pipeline stage: arrive on its empty barrier in every CTA of the cluster (each
+        producer multicasts x into all of them)."""
+        cfg = self.cfg
+        if const_expr(cfg.cluster > 1):
+            for r in cutlass.range_constexpr(cfg.cluster):
+                cute.arch.mbarrier_arrive(bar, Int32(r))
+        else:
+            cute.arch.mbarrier_arrive(bar)
 
     @cute.jit
     def prefetch_w(self, tma_w, tWgW, g: Int32):
@@ -670,7 +714,7 @@ class DecodeGemmKernel:
                 # Keep this k-block's wgmma in flight; the previous one is done, free its stage.
                 warpgroup.wait_group(1)
                 if kb > kb_lo and lane == 0:
-                    cute.arch.mbarrier_arrive(empty + (i - 1) % cfg.stages)
+                    self.release(empty + (i - 1) % cfg.stages)
             warpgroup.wait_group(0)
             # The stage of the tile's last k-block: with y_staging the epilogue writes y there,
             # so it is released only after the epilogue.
@@ -678,7 +722,7 @@ class DecodeGemmKernel:
             ybuf = (stage_bufs, s_last)
             if const_expr(not cfg.y_held):
                 if lane == 0:
-                    cute.arch.mbarrier_arrive(empty + s_last)
+                    self.release(empty + s_last)
 
             if kb_lo == 0 and kb_hi == cfg.k_blocks:
                 self.store_tile(accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid, tile == t_last)
@@ -691,7 +735,7 @@ class DecodeGemmKernel:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_warp()
                 if lane == 0:
-                    cute.arch.mbarrier_arrive(empty + s_last)
+                    self.release(empty + s_last)
 
     @cute.jit
     def store_tile(self, accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid, drained):
@@ -1143,7 +1187,7 @@ def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAUL
     WIDE_MIN_M batch rows on plain shapes the whole-K tiles of kernels/gemm_wide.py
     (``gemm_wide.default_applies``). ``tuning``: ``wide`` (0 / 1: force one kernel), knobs of
     TUNING_KNOBS (which imply the stream-K kernel) or of gemm_wide.TUNING_KNOBS (which imply
-    the whole-K one; ``stages`` belongs to both and implies neither)."""
+    the whole-K one; ``stages`` and ``cluster`` belong to both and imply neither)."""
     wide = tuning.pop("wide", None)
     stream_k_knobs = set(tuning) - set(gemm_wide.TUNING_KNOBS)
     wide_only_knobs = set(tuning) - set(TUNING_KNOBS)

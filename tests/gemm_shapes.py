@@ -89,6 +89,10 @@ TUNING_CASES = [
     # and down at 129-230 rows), a padded batch column block, y staged in the x buffer.
     (160, 8192, 7168, None, dict()),
     (137, 18432, 7168, None, dict()),
+    # ... with x shared by clusters of 2 or 4 CTAs (multicast slices of every x box).
+    (160, 8192, 7168, None, dict(cluster=4)),
+    (137, 18432, 7168, None, dict(cluster=2)),
+    (208, 8192, 7168, None, dict(cluster=2)),
 ]
 
 # Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for

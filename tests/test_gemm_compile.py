@@ -203,6 +203,37 @@ def test_one_unit_per_cta_where_64_row_units_fill_the_sms():
     assert isinstance(gemm.plan(200, 8192, 7168), GemmConfig)        # below the whole-K tiles' rows
 
 
+def test_x_shared_in_clusters_only_where_every_cta_has_one_whole_tile():
+    cfg = GemmConfig(160, 8192, 7168, cluster=4)
+    assert (cfg.cluster, cfg.ctas % 4, cfg.mma_n % 32) == (4, 0, 0)
+    assert GemmConfig.from_key(cfg.key()).key() == cfg.key()
+    assert GemmConfig(144, 8192, 7168, cluster=2).cluster == 2
+    assert GemmConfig(160, 8192, 7168).cluster == 1
+    for m, k, n, cluster in [(8, 8192, 7168, 2),        # split tiles: the CTAs stream different k-blocks
+                             (144, 8192, 7168, 4),      # 36-row slices: not whole swizzle atoms
+                             (160, 7168, 10240, 2),     # qkv: 160 units on 132 SMs, split
+                             (160, 8192, 7168, 3)]:
+        with pytest.raises(ValueError, match=f"cluster={cluster} unsupported"):
+            GemmConfig(m, k, n, cluster=cluster)
+    # plan: the knob belongs to both kernels and chooses neither.
+    assert isinstance(gemm.plan(160, 8192, 7168, None, 132, cluster=2), GemmConfig)
+    assert isinstance(gemm.plan(256, 8192, 7168, None, 132, cluster=2), WideGemmConfig)
+
+
+@pytest.mark.parametrize("cluster", [2, 4])
+def test_ptx_x_multicast_in_clusters(cluster):
+    """Every x load multicast into the cluster after the PDL wait (W stays per CTA, before it
+    too), every stage released in each CTA of the cluster."""
+    cfg = GemmConfig(160, 8192, 7168, cluster=cluster)
+    ptx = gemm.linear_ptx(160, 8192, 7168, None, cluster=cluster)
+    _check_ptx(ptx, cfg)
+    loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor" in line]
+    mcast = [line for line in loads if "multicast::cluster" in line]
+    assert mcast and all(ptx.index(line) > ptx.index("griddepcontrol.wait") for line in mcast)
+    assert len(loads) - len(mcast) == 2               # W: the prologue's and the steady state's
+    assert "mbarrier.arrive.shared::cluster" in ptx and "barrier.cluster.wait" in ptx
+
+
 def test_publish_first_where_ranges_end_in_one_tile():
     """Split tiles publish before arriving at <= 16 batch columns when a CTA's range is
     shorter than a tile (several CTAs end in one tile), arrive first otherwise."""
