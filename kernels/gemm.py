@@ -160,12 +160,12 @@ class GemmConfig:
         # there is no reduction; the grid is the units. cuBLAS's own tiling of o_proj at
         # 144-208 rows (64 W rows x all batch rows on 112 CTAs). Measured on an H200
         # (bench/gemm_notes.md §22): o_proj 10-22% faster than the split at 144-208 rows.
-        self.unit_per_cta = False
+        unit_per_cta = False
         if (halves, row_wgs, col_wgs) == (None, None, None) and not self.silu \
                 and UNIT_PER_CTA_ROWS[0] <= m <= UNIT_PER_CTA_ROWS[1] and n % HALF_ROWS == 0 \
                 and UNIT_PER_CTA_MIN_FILL * ctas <= n // HALF_ROWS <= ctas:
             halves, row_wgs, col_wgs = 1, 1, 1
-            self.unit_per_cta = True
+            unit_per_cta = True
         elif (halves, row_wgs, col_wgs) == (None, None, None) and not self.silu \
                 and HALF_WGS_ROWS[0] <= m <= HALF_WGS_ROWS[1] and n % (2 * HALF_ROWS) == 0:
             halves, row_wgs, col_wgs = 1, 2, 1
@@ -208,7 +208,7 @@ class GemmConfig:
         self.wgs = self.row_wgs * self.col_wgs
         self.tiles = self.units // self.row_wgs
         self.iters = self.tiles * self.k_blocks
-        self.ctas = self.tiles if self.unit_per_cta else self._ctas_for(self.tiles, ctas)
+        self.ctas = self.tiles if unit_per_cta else self._ctas_for(self.tiles, ctas)
         self.max_segs = max(self.cta_of((t + 1) * self.k_blocks - 1) - self.cta_of(t * self.k_blocks) + 1
                             for t in range(self.tiles))
 
