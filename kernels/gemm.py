@@ -1185,14 +1185,18 @@ LINEAR_KNOBS = ("wide", *TUNING_KNOBS, *(k for k in gemm_wide.TUNING_KNOBS if k 
 def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS, **tuning):
     """The kernel configuration ``linear`` runs for this call: the stream-K GemmConfig, or from
     WIDE_MIN_M batch rows on plain shapes the whole-K tiles of kernels/gemm_wide.py
-    (``gemm_wide.default_applies``). ``tuning``: ``wide`` (0 / 1: force one kernel), knobs of
+    (``gemm_wide.default_applies``, which asks less of them where the stream-K kernel would
+    split K). ``tuning``: ``wide`` (0 / 1: force one kernel), knobs of
     TUNING_KNOBS (which imply the stream-K kernel) or of gemm_wide.TUNING_KNOBS (which imply
     the whole-K one; ``stages`` and ``cluster`` belong to both and imply neither)."""
     wide = tuning.pop("wide", None)
     stream_k_knobs = set(tuning) - set(gemm_wide.TUNING_KNOBS)
     wide_only_knobs = set(tuning) - set(TUNING_KNOBS)
     if wide is None:
-        wide = int(bool(wide_only_knobs) or (not stream_k_knobs and gemm_wide.default_applies(m, n, epilogue, ctas)))
+        wide = int(bool(wide_only_knobs))
+        if not wide and not stream_k_knobs:
+            splits = GemmConfig(m, k, n, epilogue, ctas).max_segs > 1   # the stream-K default splits K
+            wide = int(gemm_wide.default_applies(m, n, epilogue, ctas, against_split=splits))
     if wide not in (0, 1):
         raise ValueError(f"wide={wide} unsupported: 0 or 1")
     if wide:

@@ -81,8 +81,14 @@ FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more
 # tiles compute 256 rows whatever M is; stream-K's batch columns follow M in steps of 16);
 # lm_head (640-1280 tiles, several waves) 4% faster at 128 rows with x shared in pairs and
 # 2-3% at 256.
+# In one wave a padded batch row costs tensor-core time hidden under the weight stream; over
+# several waves it costs a share of whole extra tiles. So where the stream-K kernel would
+# split K and the tiles fit one wave, WIDE_MIN_ROW_FILL_ONE_WAVE is enough: qkv at 208 / 224
+# rows 4-10% faster than stream-K (§22), while down and o_proj there keep their whole-K
+# 64-row units (faster than these tiles at 208-224) and lm_head loses 9-33% at 160-224.
 WIDE_MIN_M = 128
 WIDE_MIN_ROW_FILL = 0.9
+WIDE_MIN_ROW_FILL_ONE_WAVE = 0.8
 WIDE_MIN_FILL = 0.9
 
 
@@ -193,15 +199,18 @@ class WideGemmConfig:
                 f"k_blocks={self.k_blocks}, stages={self.stages}, cluster={self.cluster})")
 
 
-def default_applies(m: int, n: int, epilogue: str | None, sms: int) -> bool:
+def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_split: bool = False) -> bool:
     """Whether ``linear`` runs this kernel by default for (M, N, epilogue) on ``sms`` SMs: plain
     shapes from WIDE_MIN_M rows whose tiles fill the grid's waves (one or several) and are
-    mostly real batch rows."""
+    mostly real batch rows; ``against_split``: the stream-K kernel would split K here, so in
+    one wave a lower row fill will do."""
     if epilogue is not None or m < WIDE_MIN_M or n % N_TILE_STEP:
         return False
     batch_tile, n_tile = WideGemmConfig.choose_tile(m, n, sms)
+    one_wave = _ceil_div(m, batch_tile) * (n // n_tile) <= sms
+    min_row_fill = WIDE_MIN_ROW_FILL_ONE_WAVE if against_split and one_wave else WIDE_MIN_ROW_FILL
     return (WideGemmConfig.wave_fill(m, n, sms, batch_tile, n_tile) >= WIDE_MIN_FILL
-            and WideGemmConfig.row_fill(m, batch_tile) >= WIDE_MIN_ROW_FILL)
+            and WideGemmConfig.row_fill(m, batch_tile) >= min_row_fill)
 
 
 class WideGemmKernel:

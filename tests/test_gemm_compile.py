@@ -551,6 +551,9 @@ from graphc.kernels.gemm_wide import WideGemmConfig  # noqa: E402
     (128, 7168, 163840, (128, 256), 132, "x", True),   # lm_head: 640 tiles, 5 waves; pairs share x
     (256, 7168, 163840, (128, 256), 132, "w", True),   # ... 1280 tiles; pairs share W
     (200, 8192, 7168, (128, 112), 128, "w", False),    # the second batch tile 56% padding
+    (208, 7168, 10240, (128, 160), 128, "w", True),    # 81% real rows, one wave, stream-K would split
+    (208, 8192, 7168, (128, 112), 128, "w", False),    # ... but o_proj's 64-row units go whole
+    (208, 7168, 163840, (128, 256), 132, "w", False),  # ... several waves: 90% needed
     (240, 8192, 7168, (128, 112), 128, "w", True),
     (64, 8192, 7168, (64, 64), 112, None, False),      # below WIDE_MIN_M
     (64, 1024, 8384, (64, 64), 131, None, False),      # an odd number of tiles: no pairs
@@ -586,6 +589,10 @@ def test_plan_routes_between_the_two_kernels():
     wide = gemm.plan(256, 8192, 7168, None, 132, n_tile=224, stages=3)
     assert (wide.n_tile, wide.stages, wide.batch_tile) == (224, 3, 128)
     assert gemm.cache_of(wide) is gemm_wide.compile_cache() and gemm.cache_of(gemm.plan(8, 1024, 1024)) is gemm.compile_cache()
+    # 81-90% real batch rows: the whole-K tiles only in one wave against a split stream-K.
+    assert isinstance(gemm.plan(208, 7168, 10240, None, 132), WideGemmConfig)
+    assert isinstance(gemm.plan(204, 7168, 10240, None, 132), GemmConfig)
+    assert gemm.plan(208, 8192, 7168, None, 132).max_segs == 1
     # A few tiles on many SMs: the waves would be mostly idle, so stream-K stays.
     assert isinstance(gemm.plan(128, 1024, 1536, None, 132), GemmConfig)
     with pytest.raises(ValueError, match="plain shapes only"):
