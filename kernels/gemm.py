@@ -6,8 +6,8 @@ so that under PDL it overlaps the previous kernel. Reasoning and numbers: bench/
 
 Which kernel runs: ``plan``. This module's stream-K kernel is the default; for plain shapes
 from 128 batch rows whose whole-K output tiles fill the SMs' waves and their batch rows
-(down, qkv, o_proj and lm_head at 128 and 231-256 rows), ``linear`` runs kernels/gemm_wide.py
-instead (x as wgmma's A operand, W tiles sized so the tile count matches the SMs, no K split;
+(down, qkv, o_proj and lm_head at 128 and 231-256 rows; qkv from 205, where this kernel would
+split K), ``linear`` runs kernels/gemm_wide.py instead (x as wgmma's A operand, W tiles sized so the tile count matches the SMs, no K split;
 bench/gemm_notes.md §21, §22).
 
 Structure
