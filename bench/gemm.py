@@ -86,11 +86,25 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+# Replays before timing, for at least this long: the board's clock and power state take
+# milliseconds to settle after the row's set-up (random weights) or the previous graph, and
+# with a 3-replay warm-up the first configuration timed in a row measured up to 20% slower
+# than the same configuration timed again later in it (bench/gemm_notes.md §21, §22).
+WARMUP_S = 0.05
+
+
 def _time_graph(fn, replays: int) -> list[float]:
-    """Seconds per replay of a graph of ``fn``."""
+    """Seconds per replay of a graph of ``fn``, after WARMUP_S of untimed replays."""
     graph = _capture(fn)
-    for _ in range(3):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for warm in range(1, 10001):
         graph.replay()
+        if warm % 10 == 0:
+            end.record()
+            end.synchronize()
+            if start.elapsed_time(end) * 1e-3 >= WARMUP_S:
+                break
     torch.cuda.synchronize()
     times = []
     for _ in range(replays):
