@@ -91,7 +91,8 @@ DECODE_GEMM_MAX_BATCH = 16
 # bench/gemm_notes.md §15) both at 64 rows tie with cuBLAS in the step (3210-3216 against
 # 3215-3222 us), so the crossover stays. At 128 rows down / qkv / o_proj on the decode GEMM
 # (its whole-K tiles there, 0.87-0.97x cuBLAS alone) measured bimodal in the step, 4100-4332
-# against 4131-4164 us (bench/gemm_notes.md §21): not yet a reason to move the crossover.
+# against 4131-4164 us (bench/gemm_notes.md §21), and again with gate_up too (session 13,
+# bench/step_notes.md): 4120-4302 against 4119-4152 us. Not a reason to move the crossover.
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 64,
     (18432, 7168, None): 64,
