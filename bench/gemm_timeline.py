@@ -58,8 +58,8 @@ PATCHES = [
      "            warpgroup.wait_group(0)\n            if tidx == 0:\n"
      f"                {_AT.format(2)} = {_T}\n"),
     # After the consumer's tile loop (whose last statement releases the stage held for y).
-    ("                    self.release(empty + s_last)\n\n    @cute.jit\n    def store_tile(",
-     "                    self.release(empty + s_last)\n"
+    ("                    release_stage(empty + s_last, cfg.cluster)\n\n    @cute.jit\n    def store_tile(",
+     "                    release_stage(empty + s_last, cfg.cluster)\n"
      f"        if tidx == 0:\n            {_AT.format(3)} = {_T}\n\n    @cute.jit\n    def store_tile("),
     # Role 1 (contributor) at arrival; the reducer overwrites it with 2. Publishing first, a
     # contributor's "published" word stays 0 (it published before arriving).

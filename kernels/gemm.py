@@ -93,7 +93,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import gemm_wide
 from .compile_cache import CompileCache
-from .smem_pipeline import EVICT_FIRST, pipeline_stages
+from .smem_pipeline import EVICT_FIRST, pipeline_stages, release_stage
 
 # PDL traits of this op, read by the scheduler (DESIGN §4).
 PROLOGUE_INPUTS = ("weight",)
@@ -633,17 +633,6 @@ class DecodeGemmKernel:
                 cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, stage * cfg.col_wgs + c)], tma_bar_ptr=bar)
 
     @cute.jit
-    def release(self, bar) -> None:
-        """Free a pipeline stage: arrive on its empty barrier in every CTA of the cluster (each
-        producer multicasts x into all of them)."""
-        cfg = self.cfg
-        if const_expr(cfg.cluster > 1):
-            for r in cutlass.range_constexpr(cfg.cluster):
-                cute.arch.mbarrier_arrive(bar, Int32(r))
-        else:
-            cute.arch.mbarrier_arrive(bar)
-
-    @cute.jit
     def prefetch_w(self, tma_w, tWgW, g: Int32):
         """L2 prefetch of iteration g's W boxes (no shared memory, no barrier)."""
         cfg = self.cfg
@@ -714,7 +703,7 @@ class DecodeGemmKernel:
                 # Keep this k-block's wgmma in flight; the previous one is done, free its stage.
                 warpgroup.wait_group(1)
                 if kb > kb_lo and lane == 0:
-                    self.release(empty + (i - 1) % cfg.stages)
+                    release_stage(empty + (i - 1) % cfg.stages, cfg.cluster)
             warpgroup.wait_group(0)
             # The stage of the tile's last k-block: with y_staging the epilogue writes y there,
             # so it is released only after the epilogue.
@@ -722,7 +711,7 @@ class DecodeGemmKernel:
             ybuf = (stage_bufs, s_last)
             if const_expr(not cfg.y_held):
                 if lane == 0:
-                    self.release(empty + s_last)
+                    release_stage(empty + s_last, cfg.cluster)
 
             if kb_lo == 0 and kb_hi == cfg.k_blocks:
                 self.store_tile(accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid, tile == t_last)
@@ -735,7 +724,7 @@ class DecodeGemmKernel:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_warp()
                 if lane == 0:
-                    self.release(empty + s_last)
+                    release_stage(empty + s_last, cfg.cluster)
 
     @cute.jit
     def store_tile(self, accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid, drained):

@@ -60,7 +60,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .compile_cache import CompileCache
-from .smem_pipeline import EVICT_FIRST, pipeline_stages
+from .smem_pipeline import EVICT_FIRST, pipeline_stages, release_stage
 
 # PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
 PROLOGUE_INPUTS = ("weight",)
@@ -147,6 +147,9 @@ class WideGemmConfig:
         if cluster == 1:
             self.pair_shares = None
         self.cluster = int(cluster)
+        # CTAs each x / W box is multicast into (the pair for the shared operand, else 1).
+        self.x_multicast = 2 if self.pair_shares == "x" else 1
+        self.w_multicast = 2 if self.pair_shares == "w" else 1
         self.k_blocks = self.k // BLOCK_K
         self.threads = 128 * self.wgs + 32        # + one producer warp
         self.producer_warp = 4 * self.wgs
@@ -243,8 +246,7 @@ class WideGemmKernel:
         sX_layout = sm90_utils.make_smem_layout_a(k_major, mma_tiler, BFloat16, cfg.stages * cfg.wgs)
         sW_layout = sm90_utils.make_smem_layout_b(k_major, mma_tiler, BFloat16, cfg.stages)
         # In a pair each CTA loads half of the shared operand's box rows and multicasts them to both.
-        x_mcast = 2 if const_expr(cfg.pair_shares == "x") else 1
-        w_mcast = 2 if const_expr(cfg.pair_shares == "w") else 1
+        x_mcast, w_mcast = cfg.x_multicast, cfg.w_multicast
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
             _tma_op(x_mcast), mX, cute.slice_(sX_layout, (None, None, 0)), (WG_ROWS, BLOCK_K), num_multicast=x_mcast)
         tma_w, mW_tma = cpasync.make_tiled_tma_atom(
@@ -337,7 +339,7 @@ class WideGemmKernel:
     def producer(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters):
         cfg = self.cfg
         gW = cute.local_tile(mW_tma, (cfg.n_tile, BLOCK_K), (None, None))
-        w_mcast = 2 if const_expr(cfg.pair_shares == "w") else 1
+        w_mcast = cfg.w_multicast
         tWsW, tWgW = cpasync.tma_partition(   # sharing W in a pair: this CTA's half of the rows
             tma_w, rank % w_mcast, cute.make_layout(w_mcast), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
         evict_first = Int64(EVICT_FIRST)
@@ -366,7 +368,7 @@ class WideGemmKernel:
         cfg = self.cfg
         local = i // cfg.k_blocks
         n_blk, _ = self.tile_coords(cta, local)
-        if const_expr(cfg.pair_shares == "w"):
+        if const_expr(cfg.w_multicast > 1):
             cute.copy(tma_w, tWgW[(None, n_blk, i - local * cfg.k_blocks)], tWsW[(None, stage)],
                       tma_bar_ptr=bar, cache_policy=evict_first, mcast_mask=cutlass.Int16(0b11))
         else:
@@ -380,7 +382,7 @@ class WideGemmKernel:
         cfg = self.cfg
         local = i // cfg.k_blocks
         _, b_blk = self.tile_coords(cta, local)
-        x_mcast = 2 if const_expr(cfg.pair_shares == "x") else 1
+        x_mcast = cfg.x_multicast
         for w in cutlass.range_constexpr(cfg.wgs):
             _, start = self.x_rows(b_blk, w)
             gX = cute.local_tile(cute.domain_offset((start, 0), mX_tma), (WG_ROWS, BLOCK_K), (0, None))
@@ -392,17 +394,6 @@ class WideGemmKernel:
             else:
                 cute.copy(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)],
                           tma_bar_ptr=bar)
-
-    @cute.jit
-    def release(self, bar) -> None:
-        """Free a pipeline stage: arrive on its empty barrier in every CTA of the cluster (both
-        producers multicast W into our copy of the stage)."""
-        cfg = self.cfg
-        if const_expr(cfg.cluster > 1):
-            for r in cutlass.range_constexpr(cfg.cluster):
-                cute.arch.mbarrier_arrive(bar, Int32(r))
-        else:
-            cute.arch.mbarrier_arrive(bar)
 
     @cute.jit
     def consumer(self, tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane):
@@ -435,10 +426,10 @@ class WideGemmKernel:
                 # Keep this k-block's wgmma in flight; the previous one is done, free its stage.
                 warpgroup.wait_group(1)
                 if kb > 0 and lane == 0:
-                    self.release(empty + (i - 1) % cfg.stages)
+                    release_stage(empty + (i - 1) % cfg.stages, cfg.cluster)
             warpgroup.wait_group(0)
             if lane == 0:
-                self.release(empty + (i0 + cfg.k_blocks - 1) % cfg.stages)
+                release_stage(empty + (i0 + cfg.k_blocks - 1) % cfg.stages, cfg.cluster)
             n_blk, b_blk = self.tile_coords(cta, local)
             col0 = n_blk * cfg.n_tile
             for w in cutlass.range_constexpr(cfg.wgs):
