@@ -20,7 +20,10 @@ alternatives to the default tuning (``bk``: K per stage 64/128; ``pf``: W iterat
 into L2 before the PDL wait), each checked against the reference first; they decide
 DEFAULT_BLOCK_K and DEFAULT_L2_PREFETCH. ``--tunings`` takes any knob of ``gemm.plan``: e.g.
 ``"wide=0;wide=1,cluster=1"`` times the stream-K kernel and the whole-K tiles without W
-multicast beside the default (kernels/gemm_wide.py, bench/gemm_notes.md §21).
+multicast beside the default (kernels/gemm_wide.py, bench/gemm_notes.md §21); ``--no-variants``
+times neither. ``--rounds R`` times every configuration of a row R times round-robin and
+reports medians: use it (3 or more) to decide between configurations, whose times otherwise
+depend on their place in the row by up to 10-20% on a power-capped board (§22, §23).
 
 Runtime: ~3 compiles per (shape, M) (a few seconds each) plus ~1 s of timing; the default
 16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml.
@@ -68,7 +71,7 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     b = torch.empty_like(a)
     b.copy_(a)
-    times = _time_graph(lambda: b.copy_(a), replays=20)
+    times = _time_graph(_capture(lambda: b.copy_(a)), replays=20)
     return 2 * a.numel() * 2 / statistics.median(times)
 
 
@@ -93,9 +96,8 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
 WARMUP_S = 0.05
 
 
-def _time_graph(fn, replays: int) -> list[float]:
-    """Seconds per replay of a graph of ``fn``, after WARMUP_S of untimed replays."""
-    graph = _capture(fn)
+def _time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
+    """Seconds per replay of a captured graph, after WARMUP_S of untimed replays."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for warm in range(1, 10001):
@@ -115,6 +117,20 @@ def _time_graph(fn, replays: int) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
     return times
+
+
+def time_interleaved(fns: dict, replays: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per replay of each of ``fns`` (label -> work to capture): one graph each,
+    timed in ``rounds`` round-robin passes (a median of ``replays`` per pass), so that every
+    configuration sees the board in every state the row goes through. Configurations timed
+    one after another differed by up to 10-20% from their place in the row alone on a
+    power-capped board (bench/gemm_notes.md §22); the median over rounds is what to compare."""
+    graphs = {label: _capture(fn) for label, fn in fns.items()}
+    passes = {label: [] for label in graphs}
+    for _ in range(rounds):
+        for label, graph in graphs.items():
+            passes[label].append(statistics.median(_time_graph(graph, replays)))
+    return passes
 
 
 def variant_tunings(base) -> list[tuple[str, dict]]:
@@ -196,28 +212,30 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
                     torch.mm(xs[j], ws[j].t(), out=outs[j])
         return run
 
-    def per_call(fn):
-        return statistics.median(_time_graph(fn, args.replays)) / chain
+    fns = {"ours_pdl_s": ours(True, {}), "ours_nopdl_s": ours(False, {}), "cublas_s": cublas(False)}
+    checked = {}
+    if args.variants:
+        for label, tuning in variants(m, k, n, epilogue, args.tunings):
+            var_out = torch.empty_like(outs[0])
+            gemm.linear(xs[0], ws[0], var_out, epilogue=epilogue, use_pdl=False, **tuning)
+            checked[label] = (tuning, ((var_out.float() - ref).norm() / ref.norm()).item())
+            fns[f"variant {label}"] = ours(True, tuning)
+    if epilogue == "silu_mul":
+        fns["cublas_act_s"] = cublas(True)
+    passes = {label: [t / chain for t in ts] for label, ts in time_interleaved(fns, args.replays, args.rounds).items()}
+    per_call = {label: statistics.median(ts) for label, ts in passes.items()}
 
     row = {
         "name": name, "m": m, "k": k, "n": n, "epilogue": epilogue, "weight_bytes": w_bytes,
         "weight_copies": copies, "chain": chain, "rel_err": err,
         "floor_bytes_s": w_bytes / HBM_BYTES_PER_S,
         "floor_flops_s": 2 * m * n * k / BF16_FLOPS,
-        "ours_pdl_s": per_call(ours(True, {})),
-        "ours_nopdl_s": per_call(ours(False, {})),
-        "cublas_s": per_call(cublas(False)),
-        "variants": {},
+        **{label: t for label, t in per_call.items() if not label.startswith("variant ")},
+        "variants": {label: {"tuning": tuning, "pdl_s": per_call[f"variant {label}"], "rel_err": var_err,
+                             "rounds_s": passes[f"variant {label}"]}
+                     for label, (tuning, var_err) in checked.items()},
+        "rounds_s": {label: ts for label, ts in passes.items() if not label.startswith("variant ")},
     }
-    if args.variants:
-        for label, tuning in variants(m, k, n, epilogue, args.tunings):
-            var_out = torch.empty_like(outs[0])
-            gemm.linear(xs[0], ws[0], var_out, epilogue=epilogue, use_pdl=False, **tuning)
-            var_err = ((var_out.float() - ref).norm() / ref.norm()).item()
-            row["variants"][label] = {"tuning": tuning, "pdl_s": per_call(ours(True, tuning)),
-                                      "rel_err": var_err}
-    if epilogue == "silu_mul":
-        row["cublas_act_s"] = per_call(cublas(True))
     row["floor_s"] = max(row["floor_bytes_s"], row["floor_flops_s"])
     row["config"] = repr(gemm.plan(m, k, n, epilogue, torch.cuda.get_device_properties(0).multi_processor_count))
     return row
@@ -230,6 +248,9 @@ def main() -> None:
     ap.add_argument("--shapes", choices=["big", "tiny", "all"], default="big")
     ap.add_argument("--chain", type=int, default=8, help="calls per graph (at least the weight copies)")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every configuration of a row this many times, round-robin, and report "
+                         "the median (A/B decisions: 3 or more)")
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="time only the default configuration (not the other block_k / row_wgs)")
     ap.add_argument("--only", help="shape names to run, comma-separated (default: all of --shapes)")

@@ -6,9 +6,9 @@ so that under PDL it overlaps the previous kernel. Reasoning and numbers: bench/
 
 Which kernel runs: ``plan``. This module's stream-K kernel is the default; for plain shapes
 from 128 batch rows whose whole-K output tiles fill the SMs' waves and their batch rows
-(down, qkv, o_proj and lm_head at 128 and 231-256 rows; qkv from 205, where this kernel would
-split K), ``linear`` runs kernels/gemm_wide.py instead (x as wgmma's A operand, W tiles sized so the tile count matches the SMs, no K split;
-bench/gemm_notes.md §21, §22).
+(down, qkv and lm_head at 128 and 231-256 rows, o_proj at 231-256; qkv from 205, where this
+kernel would split K), ``linear`` runs kernels/gemm_wide.py instead (x as wgmma's A operand,
+W tiles sized so the tile count matches the SMs, no K split; bench/gemm_notes.md §21-§23).
 
 Structure
 ---------
@@ -24,8 +24,9 @@ Structure
   with every batch column (``HALF_WGS_ROWS``); above 128 rows otherwise two warpgroups split
   the batch. (The ``row_wgs`` knob puts two units side by side in general; with 128-row
   units that is a 256-row tile.) Where 64-row units nearly fill the SMs one per SM at
-  129-256 rows (o_proj, down), each CTA takes one of them over the whole of K with every
-  batch column and nothing is split (``UNIT_PER_CTA_ROWS``).
+  129-256 rows (o_proj, down), and at 65-128 rows on short K (o_proj), each CTA takes one of
+  them over the whole of K with every batch column and nothing is split
+  (``UNIT_PER_CTA_ROWS``).
 * **Stream-K over a persistent grid**: the (tile, k-block) iterations are laid end to end and
   cut into ``ctas`` equal contiguous ranges (ctas = number of SMs), one per CTA, so every SM
   streams the same number of weight bytes (at most one k-block apart) whatever N/128 is. A tile
@@ -113,8 +114,9 @@ HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
 Y_STAGING_MIN_MMA_N = 64   # y through shared memory from 64 batch columns (GemmConfig.y_staging)
 PUBLISH_FIRST_MAX_MMA_N = 16  # split tiles publish before arriving up to 16 batch columns (GemmConfig)
 HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these M (GemmConfig)
-UNIT_PER_CTA_ROWS = (129, 256)  # plain shapes: one whole-K 64-row unit per CTA at these M ...
-UNIT_PER_CTA_MIN_FILL = 0.8     # ... when the units fill this share of the SMs (GemmConfig)
+UNIT_PER_CTA_ROWS = (65, 256)   # plain shapes: one whole-K 64-row unit per CTA at these M ...
+UNIT_PER_CTA_MIN_FILL = 0.8     # ... when the units fill this share of the SMs (GemmConfig) ...
+UNIT_PER_CTA_SHORT_K = 8192     # ... and up to 128 rows only where K is at most this
 DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
 
 
@@ -159,11 +161,17 @@ class GemmConfig:
         # the whole of K with every batch column in one warpgroup, so nothing is split and
         # there is no reduction; the grid is the units. cuBLAS's own tiling of o_proj at
         # 144-208 rows (64 W rows x all batch rows on 112 CTAs). Measured on an H200
-        # (bench/gemm_notes.md §22): o_proj 10-22% faster than the split at 144-208 rows.
+        # (bench/gemm_notes.md §22, §23): o_proj 10-22% faster than the split at 144-208 rows
+        # and 3-10% at 72-128 (4 interleaved rounds). Up to 128 rows the split's tail is
+        # smaller (~6-9 µs), so it outweighs the 15% idle SMs only on a short stream: down
+        # (K = 18432) was 2-5% slower with one unit per CTA at 72-80 rows and tied at 96-128,
+        # hence UNIT_PER_CTA_SHORT_K there. (At 16-64 rows: a tie on o_proj at 32 and 64,
+        # slower at 16, §22.)
         unit_per_cta = False
         if (halves, row_wgs, col_wgs) == (None, None, None) and not self.silu \
                 and UNIT_PER_CTA_ROWS[0] <= m <= UNIT_PER_CTA_ROWS[1] and n % HALF_ROWS == 0 \
-                and UNIT_PER_CTA_MIN_FILL * ctas <= n // HALF_ROWS <= ctas:
+                and UNIT_PER_CTA_MIN_FILL * ctas <= n // HALF_ROWS <= ctas \
+                and (m > 128 or k <= UNIT_PER_CTA_SHORT_K):
             halves, row_wgs, col_wgs = 1, 1, 1
             unit_per_cta = True
         elif (halves, row_wgs, col_wgs) == (None, None, None) and not self.silu \
@@ -208,6 +216,7 @@ class GemmConfig:
         self.wgs = self.row_wgs * self.col_wgs
         self.tiles = self.units // self.row_wgs
         self.iters = self.tiles * self.k_blocks
+        self.unit_per_cta = unit_per_cta
         self.ctas = self.tiles if unit_per_cta else self._ctas_for(self.tiles, ctas)
         self.max_segs = max(self.cta_of((t + 1) * self.k_blocks - 1) - self.cta_of(t * self.k_blocks) + 1
                             for t in range(self.tiles))
@@ -1184,8 +1193,13 @@ def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAUL
     if wide is None:
         wide = int(bool(wide_only_knobs))
         if not wide and not stream_k_knobs:
-            splits = GemmConfig(m, k, n, epilogue, ctas).max_segs > 1   # the stream-K default splits K
-            wide = int(gemm_wide.default_applies(m, n, epilogue, ctas, against_split=splits))
+            default = GemmConfig(m, k, n, epilogue, ctas)
+            # Up to WIDE_MIN_M rows one whole-K unit per CTA, where it applies, beats the
+            # whole-K tiles too (o_proj at 128 rows: 36.4 against 40.3 µs, bench/gemm_notes.md
+            # §23); above, the tiles take the rows where their own rule holds (down at 256:
+            # 114.5 against 126.6 µs for the units).
+            if not (default.unit_per_cta and m <= gemm_wide.WIDE_MIN_M):
+                wide = int(gemm_wide.default_applies(m, n, epilogue, ctas, against_split=default.max_segs > 1))
     if wide not in (0, 1):
         raise ValueError(f"wide={wide} unsupported: 0 or 1")
     if wide:

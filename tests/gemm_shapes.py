@@ -86,9 +86,12 @@ TUNING_CASES = [
     (256, 8192, 7168, None, dict(wide=0)),            # one 64-row unit per CTA, mma_n 256
     (256, 7168, 10240, None, dict(wide=0)),
     # One 64-row unit per CTA over the whole of K (the stream-K kernel's default for o_proj
-    # and down at 129-230 rows), a padded batch column block, y staged in the x buffer.
+    # and down at 129-230 rows, and for o_proj at 65-128), a padded batch column block, y
+    # staged in the x buffer.
     (160, 8192, 7168, None, dict()),
     (137, 18432, 7168, None, dict()),
+    (72, 8192, 7168, None, dict()),
+    (128, 8192, 7168, None, dict()),
     # ... with x shared by clusters of 2 or 4 CTAs (multicast slices of every x box).
     (160, 8192, 7168, None, dict(cluster=4)),
     (137, 18432, 7168, None, dict(cluster=2)),

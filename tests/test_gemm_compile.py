@@ -184,10 +184,11 @@ def test_split_reduction_paths():
 
 def test_one_unit_per_cta_where_64_row_units_fill_the_sms():
     """Plain shapes at 129-256 rows whose 64-row units nearly fill the SMs one per SM (o_proj,
-    down: 112 on 132): one unit per CTA over the whole of K, every batch column in one
-    warpgroup, no split tile anywhere."""
-    for m in (129, 160, 208, 256):
-        for k in (8192, 18432):
+    down: 112 on 132), and at 65-128 rows where K is short (o_proj): one unit per CTA over the
+    whole of K, every batch column in one warpgroup, no split tile anywhere."""
+    for m, ks in [(65, (8192,)), (96, (8192,)), (128, (8192,)), (129, (8192, 18432)),
+                  (160, (8192, 18432)), (208, (8192, 18432)), (256, (8192, 18432))]:
+        for k in ks:
             cfg = GemmConfig(m, k, 7168)
             assert cfg.ctas == cfg.tiles == 112 and cfg.max_segs == 1
             assert (cfg.halves, cfg.row_wgs, cfg.col_wgs, cfg.mma_n) == (1, 1, 1, -(-m // 16) * 16)
@@ -195,7 +196,12 @@ def test_one_unit_per_cta_where_64_row_units_fill_the_sms():
             again = GemmConfig.from_key(cfg.key())       # the compile cache rebuilds it from its key
             assert again.key() == cfg.key() and again.max_segs == 1
     assert GemmConfig(160, 8192, 7168).y_places == [("x", 0)]      # y staged in the x buffer
-    assert GemmConfig(128, 8192, 7168).ctas == 132                   # 128 rows: split halves
+    assert GemmConfig(128, 18432, 7168).ctas == 132                  # down up to 128 rows: split halves
+    assert GemmConfig(65, 18432, 7168).ctas == 132
+    assert GemmConfig(64, 8192, 7168).ctas == 132                    # o_proj up to 64 rows: split
+    assert isinstance(gemm.plan(128, 8192, 7168), GemmConfig)        # the units before the whole-K tiles
+    assert isinstance(gemm.plan(128, 18432, 7168), WideGemmConfig)   # (down: no units at 128 rows)
+    assert isinstance(gemm.plan(240, 8192, 7168), WideGemmConfig)    # ... which take 231-256 rows
     assert GemmConfig(160, 7168, 10240).max_segs > 1                 # qkv: 160 units > 132 SMs
     assert GemmConfig(160, 1024, 1024).max_segs > 1                  # 16 units on 21 CTAs
     assert GemmConfig(160, 7168, 36864, "silu_mul").max_segs > 1
@@ -546,7 +552,9 @@ from graphc.kernels.gemm_wide import WideGemmConfig  # noqa: E402
     (256, 8192, 7168, (128, 112), 128, "w", True),     # o_proj: cuBLAS's own choice there (ncu)
     (256, 18432, 7168, (128, 112), 128, "w", True),    # down
     (256, 7168, 10240, (128, 160), 128, "w", True),    # qkv
-    (128, 8192, 7168, (64, 112), 128, "w", True),      # 128 x 56: an odd number of 8-row atoms
+    (128, 8192, 7168, (64, 112), 128, "w", False),     # 128 x 56: an odd number of 8-row atoms; o_proj
+                                                       # runs one whole-K unit per CTA (stream-K)
+    (128, 18432, 7168, (64, 112), 128, "w", True),     # down
     (128, 7168, 10240, (128, 80), 128, None, True),    # one batch tile, one tile per CTA: no pairs
     (128, 7168, 163840, (128, 256), 132, "x", True),   # lm_head: 640 tiles, 5 waves; pairs share x
     (256, 7168, 163840, (128, 256), 132, "w", True),   # ... 1280 tiles; pairs share W
