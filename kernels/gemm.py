@@ -5,8 +5,8 @@ read once) from HBM at full speed, and to start streaming it *before* ``griddepc
 so that under PDL it overlaps the previous kernel. Reasoning and numbers: bench/gemm_notes.md.
 
 Which kernel runs: ``plan``. This module's stream-K kernel is the default; for plain shapes
-from 128 batch rows whose whole-K output tiles fill the SMs' waves and their batch rows
-(down, qkv and lm_head at 128 and 231-256 rows, o_proj at 231-256; qkv from 205, where this
+from 116-128 batch rows whose whole-K output tiles fill the SMs' waves and their batch rows
+(qkv and lm_head at 116-128 rows, down at 128, all four at 231-256; qkv from 205, where this
 kernel would split K), ``linear`` runs kernels/gemm_wide.py instead (x as wgmma's A operand,
 W tiles sized so the tile count matches the SMs, no K split; bench/gemm_notes.md §21-§23).
 
@@ -116,7 +116,7 @@ PUBLISH_FIRST_MAX_MMA_N = 16  # split tiles publish before arriving up to 16 bat
 HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these M (GemmConfig)
 UNIT_PER_CTA_ROWS = (65, 256)   # plain shapes: one whole-K 64-row unit per CTA at these M ...
 UNIT_PER_CTA_MIN_FILL = 0.8     # ... when the units fill this share of the SMs (GemmConfig) ...
-UNIT_PER_CTA_SHORT_K = 8192     # ... and up to 128 rows only where K is at most this
+UNIT_PER_CTA_SHORT_K = 8192     # ... and up to 128 rows (gemm_wide.MAX_BATCH_TILE) only where K is at most this
 DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
 
 
@@ -171,7 +171,7 @@ class GemmConfig:
         if (halves, row_wgs, col_wgs) == (None, None, None) and not self.silu \
                 and UNIT_PER_CTA_ROWS[0] <= m <= UNIT_PER_CTA_ROWS[1] and n % HALF_ROWS == 0 \
                 and UNIT_PER_CTA_MIN_FILL * ctas <= n // HALF_ROWS <= ctas \
-                and (m > 128 or k <= UNIT_PER_CTA_SHORT_K):
+                and (m > gemm_wide.MAX_BATCH_TILE or k <= UNIT_PER_CTA_SHORT_K):
             halves, row_wgs, col_wgs = 1, 1, 1
             unit_per_cta = True
         elif (halves, row_wgs, col_wgs) == (None, None, None) and not self.silu \
@@ -1194,11 +1194,11 @@ def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAUL
         wide = int(bool(wide_only_knobs))
         if not wide and not stream_k_knobs:
             default = GemmConfig(m, k, n, epilogue, ctas)
-            # Up to WIDE_MIN_M rows one whole-K unit per CTA, where it applies, beats the
-            # whole-K tiles too (o_proj at 128 rows: 36.4 against 40.3 µs, bench/gemm_notes.md
-            # §23); above, the tiles take the rows where their own rule holds (down at 256:
-            # 114.5 against 126.6 µs for the units).
-            if not (default.unit_per_cta and m <= gemm_wide.WIDE_MIN_M):
+            # Up to one whole-K batch tile's rows, one whole-K unit per CTA, where it applies,
+            # beats the whole-K tiles too (o_proj at 128 rows: 36.4 against 40.3 µs,
+            # bench/gemm_notes.md §23); above, the tiles take the rows where their own rule
+            # holds (down at 256: 114.5 against 126.6 µs for the units).
+            if not (default.unit_per_cta and m <= gemm_wide.MAX_BATCH_TILE):
                 wide = int(gemm_wide.default_applies(m, n, epilogue, ctas, against_split=default.max_segs > 1))
     if wide not in (0, 1):
         raise ValueError(f"wide={wide} unsupported: 0 or 1")

@@ -3,7 +3,7 @@
 ``y[M, N] = x[M, K] @ W[N, K]^T`` (bf16 in and out, fp32 accumulation), plain epilogue only.
 ``kernels/gemm.py`` computes ``y^T = W x^T`` (W rows on the wgmma M side, in 64-row steps) and
 splits K between CTAs (stream-K), which is what streams weights fastest at a few batch rows.
-From ~128 rows the problem has enough work per W tile for another trade, the one cuBLAS makes
+From ~120-128 rows the problem has enough work per W tile for another trade, the one cuBLAS makes
 there (its Hopper kernel at o_proj M = 256 is a 112 x 128 tile on 128 CTAs, Nsight Compute,
 bench/gemm_notes.md §21): no K split at all, so no fp32 partials, no reduction tail and no
 counters, with the tile count matched to the SM count by the *W-row* side of the tile, which
@@ -86,7 +86,13 @@ FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more
 # split K and the tiles fit one wave, WIDE_MIN_ROW_FILL_ONE_WAVE is enough: qkv at 208 / 224
 # rows 4-10% faster than stream-K (§22), while down and o_proj there keep their whole-K
 # 64-row units (faster than these tiles at 208-224) and lm_head loses 9-33% at 160-224.
-WIDE_MIN_M = 128
+# From WIDE_MIN_M rows, where a 128-row batch tile is 90% real rows; below 128 rows only as one
+# 128-row batch tile: measured on an H200 at 116-124 rows (bench/gemm_notes.md §23, 3
+# interleaved rounds), qkv (one tile of 128 x 80) 0-6% and lm_head 2-4% faster than stream-K,
+# but down, whose tiles there are two 64-row batch tiles (the second moved back over the
+# first), 2-8% slower.
+WIDE_MIN_M = 116
+MAX_BATCH_TILE = 128       # the largest batch tile: up to this many rows, one batch tile holds every row
 WIDE_MIN_ROW_FILL = 0.9
 WIDE_MIN_ROW_FILL_ONE_WAVE = 0.8
 WIDE_MIN_FILL = 0.9
@@ -109,8 +115,8 @@ class WideGemmConfig:
             best_bt, best_nt = self.choose_tile(self.m, self.n, self.sms)
             batch_tile = best_bt if batch_tile is None else batch_tile
             n_tile = best_nt if n_tile is None else n_tile
-        if batch_tile not in (64, 128):
-            raise ValueError(f"batch_tile={batch_tile} unsupported: 64 or 128")
+        if batch_tile not in (WG_ROWS, MAX_BATCH_TILE):
+            raise ValueError(f"batch_tile={batch_tile} unsupported: {WG_ROWS} or {MAX_BATCH_TILE}")
         if n_tile % N_TILE_STEP or not 0 < n_tile <= MAX_N_TILE or self.n % n_tile:
             raise ValueError(f"n_tile={n_tile} unsupported: a multiple of {N_TILE_STEP} up to "
                              f"{MAX_N_TILE} dividing N={self.n}")
@@ -210,6 +216,8 @@ def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_s
     if epilogue is not None or m < WIDE_MIN_M or n % N_TILE_STEP:
         return False
     batch_tile, n_tile = WideGemmConfig.choose_tile(m, n, sms)
+    if m < MAX_BATCH_TILE and batch_tile != MAX_BATCH_TILE:
+        return False
     one_wave = _ceil_div(m, batch_tile) * (n // n_tile) <= sms
     min_row_fill = WIDE_MIN_ROW_FILL_ONE_WAVE if against_split and one_wave else WIDE_MIN_ROW_FILL
     return (WideGemmConfig.wave_fill(m, n, sms, batch_tile, n_tile) >= WIDE_MIN_FILL

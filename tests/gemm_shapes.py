@@ -76,6 +76,7 @@ TUNING_CASES = [
     (256, 8192, 7168, None, dict(wide=1, cluster=1)),  # no W multicast in pairs of CTAs
     (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=1)),
     (160, 8192, 7168, None, dict(wide=1)),            # x boxes moved back from past row M
+    (120, 7168, 10240, None, dict()),                 # ... in one 128-row batch tile (the default)
     (70, 1024, 1024, None, dict(wide=1, batch_tile=128)),
     # One batch tile: pairs of neighbouring W tiles share x (the default over several waves),
     # zero-filled rows past M in one CTA's half of the box, one tile per CTA.

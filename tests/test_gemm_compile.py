@@ -143,14 +143,15 @@ def test_config_choices():
     assert GemmConfig(200, 1024, 1024, halves=2).mma_n == 112         # two batch warpgroups
     # Plain shapes at 65-200 rows: each 64-row half of a tile on its own warpgroup, with
     # every batch column (M = 200: wgmma N = 208); silu_mul and 256 rows keep one unit.
-    for m, k, n, e, layout in [(65, 8192, 7168, None, (1, 2, 1, 80)), (128, 18432, 7168, None, (1, 2, 1, 128)),
+    for m, k, n, e, layout in [(65, 18432, 7168, None, (1, 2, 1, 80)), (128, 18432, 7168, None, (1, 2, 1, 128)),
                                (200, 1024, 1024, None, (1, 2, 1, 208)), (64, 8192, 7168, None, (2, 1, 1, 64)),
+                               (65, 8192, 7168, None, (1, 1, 1, 80)),        # one unit per CTA (short K)
                                (256, 7168, 10240, None, (2, 1, 2, 128)),
                                (256, 8192, 7168, None, (1, 1, 1, 256)),      # one unit per CTA
                                (128, 7168, 36864, "silu_mul", (2, 1, 1, 128))]:
         cfg = GemmConfig(m, k, n, e)
         assert (cfg.halves, cfg.row_wgs, cfg.col_wgs, cfg.mma_n) == layout, (m, n, e)
-    assert GemmConfig(128, 8192, 7168).tiles == GemmConfig(128, 8192, 7168, halves=2).tiles == 56
+    assert GemmConfig(128, 18432, 7168).tiles == GemmConfig(128, 8192, 7168, halves=2).tiles == 56
     assert GemmConfig(64, 18432, 7168, row_wgs=2).ctas < 132   # the knob still works
     with pytest.raises(ValueError, match="row_wgs"):
         GemmConfig(256, 7168, 10240, row_wgs=2)         # at most two consumer warpgroups
@@ -275,9 +276,10 @@ def test_y_staging_places():
     assert GemmConfig(128, 8192, 7168, halves=2, block_k=128).y_places == [("w", 0), ("w", 128 * 64)]
     # A half per warpgroup (the default at 65-200 rows): 16 KB of output per warpgroup, 8 KB
     # of its own W: staged only in the drained pipeline of the CTA's last tile.
-    cfg = GemmConfig(128, 8192, 7168)
+    cfg = GemmConfig(128, 18432, 7168)
     assert cfg.y_places is None and cfg.y_staging == 1 and not cfg.y_held
     assert GemmConfig(128, 8192, 7168, halves=1).y_places == [("x", 0)]      # 64 rows of W: 8 KB
+    assert GemmConfig(128, 8192, 7168).y_places == [("x", 0)]                # one unit per CTA
     assert GemmConfig(64, 18432, 7168, row_wgs=2).y_places == [("w", 0), ("w", 64 * 64)]
     assert GemmConfig(128, 7168, 36864, "silu_mul", row_wgs=2).y_places == [("w", 0)]
     assert GemmConfig(128, 18432, 7168, row_wgs=2).y_places is None     # x buffer shared
@@ -582,6 +584,13 @@ def test_plan_routes_between_the_two_kernels():
     # Below WIDE_MIN_M, with the fused activation, or with a stream-K knob: the stream-K kernel.
     assert isinstance(gemm.plan(64, 8192, 7168, None, 132), GemmConfig)
     assert isinstance(gemm.plan(127, 8192, 7168, None, 132), GemmConfig)
+    # 116-127 rows: the whole-K tiles only as one 128-row batch tile (qkv, lm_head), not as two
+    # overlapping 64-row ones (down), nor below 90% real rows.
+    assert isinstance(gemm.plan(120, 7168, 10240, None, 132), WideGemmConfig)
+    assert gemm.plan(120, 7168, 10240, None, 132).batch_tiles == 1
+    assert isinstance(gemm.plan(116, 7168, 163840, None, 132), WideGemmConfig)
+    assert isinstance(gemm.plan(120, 18432, 7168, None, 132), GemmConfig)
+    assert isinstance(gemm.plan(115, 7168, 10240, None, 132), GemmConfig)
     assert isinstance(gemm.plan(256, 7168, 36864, "silu_mul", 132), GemmConfig)
     assert isinstance(gemm.plan(256, 8192, 7168, None, 132, publish_first=1), GemmConfig)
     assert isinstance(gemm.plan(256, 8192, 7168, None, 132, wide=0), GemmConfig)
