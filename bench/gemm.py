@@ -258,6 +258,8 @@ def main() -> None:
                     help='time these alternatives instead of the default variants, e.g. '
                          '"ctas=112;ctas=112,l2_prefetch=0"')
     args = ap.parse_args()
+    if args.rounds < 1 or args.replays < 1:
+        ap.error(f"--rounds and --replays must be at least 1 (got {args.rounds}, {args.replays})")
 
     props = torch.cuda.get_device_properties(0)
     shapes = {"big": BIG_SHAPES, "tiny": TINY_SHAPES, "all": BIG_SHAPES + TINY_SHAPES}[args.shapes]

@@ -76,7 +76,8 @@ FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more
 # When kernels/gemm.py's ``linear`` runs this kernel by default: plain shapes from WIDE_MIN_M
 # batch rows whose tiles fill the SMs' waves to WIDE_MIN_FILL and whose batch tiles hold at
 # least WIDE_MIN_ROW_FILL real rows. Measured on an H200 against the stream-K kernel
-# (bench/gemm_notes.md §21, §22): at 128 rows 6-12% faster on down, qkv and o_proj, at 240-256
+# (bench/gemm_notes.md §21, §22): at 128 rows 6-12% faster on down, qkv and o_proj (o_proj
+# there now runs one whole-K unit per CTA on the stream-K kernel instead, faster still: §23, gemm.plan), at 240-256
 # rows 6-18% on down and o_proj and 0-14% on qkv; at 160-224 rows slower (two 128-row batch
 # tiles compute 256 rows whatever M is; stream-K's batch columns follow M in steps of 16);
 # lm_head (640-1280 tiles, several waves) 4% faster at 128 rows with x shared in pairs and
