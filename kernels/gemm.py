@@ -105,7 +105,7 @@ EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
 TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
-                "publish_first", "cluster")
+                "publish_first", "cluster", "x_trim")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
@@ -136,7 +136,8 @@ class GemmConfig:
     def __init__(self, m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS, *,
                  block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None,
                  stages: int | None = None, halves: int | None = None, y_staging: int | None = None,
-                 col_wgs: int | None = None, publish_first: int | None = None, cluster: int | None = None):
+                 col_wgs: int | None = None, publish_first: int | None = None, cluster: int | None = None,
+                 x_trim: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -314,6 +315,27 @@ class GemmConfig:
                              f"whole tile ({self.ctas} CTAs, {self.tiles} tiles), the grid divides into "
                              f"clusters and the x box's {self.mma_n} rows into 8-row slices per CTA)")
         self.cluster = int(cluster)
+        # x boxes trimmed to the rows that exist (``x_trim``). The batch columns are mma_n, a
+        # multiple of 16, so for M not a multiple of 16 a box of mma_n rows reaches up to 15
+        # rows past x, which TMA zero-fills: at 116-120 rows that cost o_proj 1-3%
+        # (bench/gemm_notes.md §23). Where M is 1-8 rows past a multiple of 16, the box is
+        # loaded as two: the first mma_n - 16 rows and the 8-row swizzle atom after them (CuTe
+        # DSL 4.8.1 aborts building a TMA box of an odd number of 8-row atoms), so nothing past
+        # round_up(M, 8) is loaded; the buffer's last 8 rows keep whatever they held, and the
+        # batch columns computed from them (>= M) are never stored. One batch warpgroup, no
+        # cluster slices, one swizzle atom of K per row.
+        trimmable = self.col_wgs == 1 and self.cluster == 1 and self.block_k == K_ALIGN \
+            and self.mma_n >= 32 and _round_up(self.m, 8) < self.mma_n
+        if x_trim is None:
+            x_trim = int(trimmable)
+        if x_trim not in (0, 1) or (x_trim and not trimmable):
+            raise ValueError(f"x_trim={x_trim} unsupported here (0, or 1 when M = {self.m} is 1-8 rows past a "
+                             f"multiple of 16 above 16, with one batch warpgroup, cluster=1, block_k={K_ALIGN})")
+        self.x_trim = int(x_trim)
+        # (rows, first row) of each x box of a batch warpgroup's buffer.
+        self.x_boxes = ((self.mma_n - 16, 0), (8, self.mma_n - 16)) if self.x_trim else ((self.mma_n, 0),)
+        # What TMA delivers per stage (the stage barrier's transaction count).
+        self.stage_tx_bytes = self.w_stage_bytes + self.col_wgs * sum(r for r, _ in self.x_boxes) * block_k * 2
 
     def _y_places(self) -> list[tuple[str, int]] | None:
         """Per output half: ("w", element offset into the warpgroup's W boxes of a stage) or
@@ -368,7 +390,8 @@ class GemmConfig:
                 f"ctas={self.ctas}, tiles={self.tiles}, block_k={self.block_k}, k_blocks={self.k_blocks}, "
                 f"stages={self.stages}, wgs={self.row_wgs}x{self.col_wgs}, mma_n={self.mma_n}, "
                 f"l2_prefetch={self.l2_prefetch}, y_staging={self.y_staging}, "
-                f"publish_first={self.publish_first}, cluster={self.cluster})")
+                f"publish_first={self.publish_first}, cluster={self.cluster}"
+                + (", x_trim=1" if self.x_trim else "") + ")")
 
 
 def check_shape(m: int, k: int, n: int, epilogue: str | None = None) -> None:
@@ -459,9 +482,16 @@ class DecodeGemmKernel:
             cute.slice_(sW_layout, (None, None, 0)), (HALF_ROWS, cfg.block_k),
         )
         # In a cluster each CTA loads 1/cluster of every x box's rows and multicasts them.
+        # With x_trim, the second atom loads the 8-row tail box (else it is the first again).
+        (x_rows, _), (tail_rows, _) = cfg.x_boxes[0], cfg.x_boxes[-1]
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(cfg.cluster > 1) else cpasync.CopyBulkTensorTileG2SOp(),
-            mX, cute.slice_(sX_layout, (None, None, 0)), (cfg.mma_n, cfg.block_k), num_multicast=cfg.cluster,
+            mX, cute.slice_(self.x_box_layout(sX_layout, x_rows), (None, None, 0)), (x_rows, cfg.block_k),
+            num_multicast=cfg.cluster,
+        )
+        tma_x_tail, mX_tail_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(self.x_box_layout(sX_layout, tail_rows), (None, None, 0)),
+            (tail_rows, cfg.block_k),
         )
 
         @cute.struct
@@ -476,7 +506,7 @@ class DecodeGemmKernel:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            tma_w, mW_tma, tma_x, mX_tma, mY, mWs, mCount, tiled_mma, sW_layout, sX_layout,
+            tma_w, mW_tma, tma_x, mX_tma, tma_x_tail, mX_tail_tma, mY, mWs, mCount, tiled_mma, sW_layout, sX_layout,
         ).launch(
             grid=[cfg.ctas, 1, 1],
             block=[cfg.threads, 1, 1],
@@ -486,6 +516,14 @@ class DecodeGemmKernel:
         )
 
     # --------------------------------------------------------------------------------------------
+    @staticmethod
+    def x_box_layout(sX_layout, rows: int):
+        """The first ``rows`` rows (whole 8-row swizzle atoms) of every x buffer of
+        ``sX_layout``: its swizzle, row and buffer strides, fewer rows."""
+        outer = sX_layout.outer
+        return cute.make_composed_layout(
+            sX_layout.inner, 0, cute.make_layout(((8, rows // 8), *outer.shape[1:]), stride=outer.stride))
+
     @cute.kernel
     def kernel(
         self,
@@ -493,6 +531,8 @@ class DecodeGemmKernel:
         mW_tma: cute.Tensor,
         tma_x: cute.CopyAtom,
         mX_tma: cute.Tensor,
+        tma_x_tail: cute.CopyAtom,
+        mX_tail_tma: cute.Tensor,
         mY: cute.Tensor,
         mWs: cute.Tensor,
         mCount: cute.Tensor,
@@ -512,6 +552,8 @@ class DecodeGemmKernel:
         if warp == cfg.producer_warp:
             cpasync.prefetch_descriptor(tma_w)
             cpasync.prefetch_descriptor(tma_x)
+            if const_expr(cfg.x_trim):
+                cpasync.prefetch_descriptor(tma_x_tail)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -525,6 +567,14 @@ class DecodeGemmKernel:
         stage_bufs = (storage.sW.data_ptr(), storage.sX.data_ptr())   # bf16, for y_staging
         sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        # TMA's views of the x buffers: the x_boxes' rows of each (the whole buffer unless
+        # x_trim; the tail box's view starts at its first row, a whole number of 1 KB swizzle
+        # atoms in, so the swizzle phase is the buffer's).
+        (x_rows, _), (tail_rows, tail_first) = cfg.x_boxes[0], cfg.x_boxes[-1]
+        sX_box = storage.sX.get_tensor(self.x_box_layout(sX_layout, x_rows).outer, swizzle=sX_layout.inner)
+        sX_tail = cute.make_tensor(
+            cute.recast_ptr(storage.sX.data_ptr() + tail_first * cfg.block_k, sX_layout.inner, dtype=BFloat16),
+            self.x_box_layout(sX_layout, tail_rows).outer)
 
         if warp == cfg.producer_warp:
             with cute.arch.elect_one():
@@ -548,7 +598,8 @@ class DecodeGemmKernel:
         n_iters = g_end - g_begin
 
         if warp == cfg.producer_warp:
-            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, g_begin, n_iters, cta % cfg.cluster)
+            self.producer(tma_w, mW_tma, (tma_x, tma_x_tail), (mX_tma, mX_tail_tma), sW, (sX_box, sX_tail), full, empty,
+                          g_begin, n_iters, cta % cfg.cluster)
         else:
             # Consumers touch global memory (workspace, counters, y) only after the wait.
             cute.arch.griddepcontrol_wait()
@@ -570,15 +621,22 @@ class DecodeGemmKernel:
         return unit * cfg.halves + half
 
     @cute.jit
-    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, g_begin, n_iters, rank):
+    def producer(self, tma_w, mW_tma, tma_xs, mX_tmas, sW, sXs, full, empty, g_begin, n_iters, rank):
+        """``tma_xs``, ``mX_tmas``, ``sXs``: (first, tail) x box atoms, tensors and shared-memory
+        views (cfg.x_boxes; the tail is used only with x_trim)."""
         cfg = self.cfg
         # (TMA, row_block, k_block) views of W and x; (TMA, buffer) views of shared memory.
         gW = cute.local_tile(mW_tma, (HALF_ROWS, cfg.block_k), (None, None))
-        gX = cute.local_tile(mX_tma, (cfg.mma_n, cfg.block_k), (None, None))
         tWsW, tWgW = cpasync.tma_partition(
             tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-        tXsX, tXgX = cpasync.tma_partition(   # in a cluster: this CTA's slice of the rows
-            tma_x, rank, cute.make_layout(cfg.cluster), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        x_views = []
+        for b in cutlass.range_constexpr(len(cfg.x_boxes)):
+            rows = cfg.x_boxes[b][0]
+            gX = cute.local_tile(mX_tmas[b], (rows, cfg.block_k), (None, None))
+            tXsX, tXgX = cpasync.tma_partition(   # in a cluster: this CTA's slice of the rows
+                tma_xs[b], rank, cute.make_layout(cfg.cluster), cute.group_modes(sXs[b], 0, 2),
+                cute.group_modes(gX, 0, 2))
+            x_views.append((tma_xs[b], tXgX, tXsX))
         evict_first = Int64(EVICT_FIRST)
 
         # Prologue, before the PDL wait: weight traffic only. The stages are fresh (no empty
@@ -587,7 +645,7 @@ class DecodeGemmKernel:
         n_pre = cutlass.min(n_iters, cfg.stages)
         for i in cutlass.range(n_pre, unroll=1):
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
             self.load_w(tma_w, tWgW, tWsW, g_begin + i, i, full + i, evict_first)
 
         # Then an L2 prefetch of the next l2_prefetch iterations' W tiles: still weight traffic
@@ -602,7 +660,7 @@ class DecodeGemmKernel:
 
         # x for the prologue stages.
         for i in cutlass.range(n_pre, unroll=1):
-            self.load_x(tma_x, tXgX, tXsX, g_begin + i, i, full + i)
+            self.load_x(x_views, g_begin + i, i, full + i)
 
         # Steady state: wait for the consumers to free a stage, refill it with W and x. (Keeping
         # the L2 prefetch l2_prefetch iterations ahead here as well was measured 8-27% slower at
@@ -612,9 +670,9 @@ class DecodeGemmKernel:
             phase = (i // cfg.stages) % 2
             cute.arch.mbarrier_wait(empty + s, phase ^ 1)
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_tx_bytes)
             self.load_w(tma_w, tWgW, tWsW, g_begin + i, s, full + s, evict_first)
-            self.load_x(tma_x, tXgX, tXsX, g_begin + i, s, full + s)
+            self.load_x(x_views, g_begin + i, s, full + s)
 
     @cute.jit
     def load_w(self, tma_w, tWgW, tWsW, g: Int32, stage: Int32, bar, evict_first: Int64):
@@ -630,16 +688,22 @@ class DecodeGemmKernel:
                           tma_bar_ptr=bar, cache_policy=evict_first)
 
     @cute.jit
-    def load_x(self, tma_x, tXgX, tXsX, g: Int32, stage: Int32, bar):
-        """TMA of iteration g's x boxes (its k-block, every batch warpgroup's columns)."""
+    def load_x(self, x_views, g: Int32, stage: Int32, bar):
+        """TMA of iteration g's x boxes (its k-block, every batch warpgroup's columns; with
+        x_trim a warpgroup's buffer takes two boxes, ``x_views`` holds (atom, gmem, smem) of each)."""
         cfg = self.cfg
         kb = g - (g // cfg.k_blocks) * cfg.k_blocks
         for c in cutlass.range_constexpr(cfg.col_wgs):
-            if const_expr(cfg.cluster > 1):
-                cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, stage * cfg.col_wgs + c)], tma_bar_ptr=bar,
-                          mcast_mask=cutlass.Int16((1 << cfg.cluster) - 1))
-            else:
-                cute.copy(tma_x, tXgX[(None, c, kb)], tXsX[(None, stage * cfg.col_wgs + c)], tma_bar_ptr=bar)
+            for b in cutlass.range_constexpr(len(cfg.x_boxes)):
+                rows, first = cfg.x_boxes[b]
+                tma_x, tXgX, tXsX = x_views[b]
+                row_block = c + first // rows     # the box's rows of x in units of its height
+                if const_expr(cfg.cluster > 1):
+                    cute.copy(tma_x, tXgX[(None, row_block, kb)], tXsX[(None, stage * cfg.col_wgs + c)],
+                              tma_bar_ptr=bar, mcast_mask=cutlass.Int16((1 << cfg.cluster) - 1))
+                else:
+                    cute.copy(tma_x, tXgX[(None, row_block, kb)], tXsX[(None, stage * cfg.col_wgs + c)],
+                              tma_bar_ptr=bar)
 
     @cute.jit
     def prefetch_w(self, tma_w, tWgW, g: Int32):

@@ -91,8 +91,15 @@ TUNING_CASES = [
     # staged in the x buffer.
     (160, 8192, 7168, None, dict()),
     (137, 18432, 7168, None, dict()),
-    (72, 8192, 7168, None, dict()),
+    (72, 8192, 7168, None, dict()),                   # (x in two boxes: 64 + 8 rows)
     (128, 8192, 7168, None, dict()),
+    # x boxes trimmed to round_up(M, 8) rows (two boxes per buffer), against one box.
+    (120, 8192, 7168, None, dict()),
+    (120, 8192, 7168, None, dict(x_trim=0)),
+    (20, 7168, 10240, None, dict()),
+    (40, 1024, 5632, "silu_mul", dict()),
+    (200, 1024, 1024, None, dict()),                  # two 64-row units side by side
+    (136, 18432, 7168, None, dict()),
     # ... with x shared by clusters of 2 or 4 CTAs (multicast slices of every x box).
     (160, 8192, 7168, None, dict(cluster=4)),
     (137, 18432, 7168, None, dict(cluster=2)),

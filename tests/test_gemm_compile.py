@@ -241,6 +241,49 @@ def test_ptx_x_multicast_in_clusters(cluster):
     assert "mbarrier.arrive.shared::cluster" in ptx and "barrier.cluster.wait" in ptx
 
 
+def test_x_boxes_trimmed_to_the_rows_that_exist():
+    """Where M is 1-8 rows past a multiple of 16 (above 16), one batch warpgroup's x buffer is
+    loaded as two boxes, its first mma_n - 16 rows and the 8-row atom after them, so nothing
+    past round_up(M, 8) is loaded; the stage barrier expects exactly those bytes."""
+    for m, k, n, e in [(120, 8192, 7168, None), (20, 7168, 10240, None), (72, 7168, 36864, "silu_mul"),
+                       (136, 18432, 7168, None), (200, 7168, 10240, None)]:
+        cfg = GemmConfig(m, k, n, e)
+        assert cfg.x_trim == 1 and cfg.col_wgs == 1
+        assert cfg.x_boxes == ((cfg.mma_n - 16, 0), (8, cfg.mma_n - 16))
+        assert sum(rows for rows, _ in cfg.x_boxes) == -(-m // 8) * 8
+        assert cfg.stage_tx_bytes == cfg.w_stage_bytes + (-(-m // 8) * 8) * cfg.block_k * 2
+        assert cfg.stage_tx_bytes < cfg.stage_bytes
+        assert GemmConfig.from_key(cfg.key()).key() == cfg.key()
+        untrimmed = GemmConfig(m, k, n, e, x_trim=0)
+        assert untrimmed.x_boxes == ((untrimmed.mma_n, 0),) and untrimmed.stage_tx_bytes == untrimmed.stage_bytes
+    # A multiple of 16 (or 9-15 rows past one), 8 rows or fewer, two batch warpgroups, x
+    # slices in a cluster, two swizzle atoms of K per row: one box of mma_n rows.
+    for m, k, n, tuning in [(128, 8192, 7168, {}), (64, 8192, 7168, {}), (8, 8192, 7168, {}), (3, 8192, 7168, {}),
+                            (12, 8192, 7168, {}), (232, 7168, 36864, {}), (72, 8192, 7168, {"block_k": 128}),
+                            (152, 8192, 7168, {"cluster": 2})]:
+        cfg = GemmConfig(m, k, n, "silu_mul" if n == 36864 else None, **tuning)
+        assert cfg.x_trim == 0 and cfg.x_boxes == ((cfg.mma_n, 0),), (m, tuning)
+    with pytest.raises(ValueError, match="x_trim=1 unsupported"):
+        GemmConfig(128, 8192, 7168, x_trim=1)
+
+
+@pytest.mark.parametrize("m, k, n, epilogue", [(120, 8192, 7168, None), (20, 7168, 10240, None),
+                                               (72, 7168, 36864, "silu_mul")])
+def test_ptx_x_boxes_trimmed(m, k, n, epilogue):
+    """Two x loads per stage (the prologue's and the steady state's, each as two boxes), all
+    after the PDL wait; the untrimmed kernel has one of each."""
+    counts = {}
+    for x_trim in (0, 1):
+        cfg = GemmConfig(m, k, n, epilogue, x_trim=x_trim)
+        ptx = gemm.linear_ptx(m, k, n, epilogue, x_trim=x_trim)
+        _check_ptx(ptx, cfg)
+        loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor" in line]
+        wait = ptx.index("griddepcontrol.wait")
+        x_loads = [line for line in loads if ptx.index(line) > wait]
+        counts[x_trim] = len(x_loads)
+    assert counts[1] == counts[0] + 2        # x: the prologue's and the steady state's, 1 -> 2 boxes each
+
+
 def test_publish_first_where_ranges_end_in_one_tile():
     """Split tiles publish before arriving at <= 16 batch columns when a CTA's range is
     shorter than a tile (several CTAs end in one tile), arrive first otherwise."""
