@@ -51,8 +51,9 @@ Structure
   the CTA's last tile), and out as 16-byte vectors.
 * **Pipeline**: a producer warp issues TMA (``cp.async.bulk.tensor``) loads of W (one 8 KB
   64x64 box per half, two per half with ``block_k = 128``) and x (one box per batch
-  warpgroup) per stage into 128B-swizzled shared memory, completing on an mbarrier armed with
-  the stage's bytes; ``stages`` is as deep as ~200 KB of shared memory allows (M <= 8: 11
+  warpgroup; two, ending at round_up(M, 8), where M is 1-8 rows past a multiple of 16:
+  ``x_trim``) per stage into 128B-swizzled shared memory, completing on an mbarrier armed with
+  the bytes they deliver; ``stages`` is as deep as ~200 KB of shared memory allows (M <= 8: 11
   stages, 176 KB of W in flight per SM; M = 64: 8 x 16 KB, or 5 x 32 KB with 256-row tiles).
   Consumer warpgroups wait on the stage, run wgmma (keeping one k-block in flight), and
   release it.
