@@ -70,9 +70,10 @@ def spec_linear_shapes() -> set[tuple]:
 def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tuple]:
     """Jobs (compile-cache name, key) of the decode-GEMM variants to compile, each through
     kernels/gemm.py's ``plan`` (the stream-K kernel or the whole-K tiles of gemm_wide.py).
-    ``lean``: only the GPU tests' cases, the spec shapes at the step's batch sizes (up to 64 rows) and bench/gemm.py's rows with their
-    default tuning (no knob variants, no chain): what a GPU session needs for the tests,
-    `graphc bench` and `bench/gemm.py --no-variants`, small enough to travel with the GPU bundle."""
+    ``lean``: only the GPU tests' cases, the spec shapes at the step's batch sizes (up to 64
+    rows) and bench/gemm.py's rows with their default tuning (no knob variants, no chain): what
+    a GPU session needs for the tests, `graphc bench` and `bench/gemm.py --no-variants`, small
+    enough to travel with the GPU bundle."""
     import gemm_shapes as t
     from gemm_shapes import SPEC_SHAPES
 

@@ -95,7 +95,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import gemm_wide
 from .compile_cache import CompileCache
-from .smem_pipeline import EVICT_FIRST, pipeline_stages, release_stage
+from .smem_pipeline import (EVICT_FIRST, barriers_ready, peers_done, pipeline_stages, release_stage, tma_load,
+                            tma_load_op)
 
 # PDL traits of this op, read by the scheduler (DESIGN §4).
 PROLOGUE_INPUTS = ("weight",)
@@ -483,17 +484,19 @@ class DecodeGemmKernel:
             cute.slice_(sW_layout, (None, None, 0)), (HALF_ROWS, cfg.block_k),
         )
         # In a cluster each CTA loads 1/cluster of every x box's rows and multicasts them.
-        # With x_trim, the second atom loads the 8-row tail box (else it is the first again).
+        # With x_trim a second atom loads the 8-row tail box (else the kernel is handed the
+        # first again and never uses it: no second tensor map encoded per launch).
         (x_rows, _), (tail_rows, _) = cfg.x_boxes[0], cfg.x_boxes[-1]
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(cfg.cluster > 1) else cpasync.CopyBulkTensorTileG2SOp(),
-            mX, cute.slice_(self.x_box_layout(sX_layout, x_rows), (None, None, 0)), (x_rows, cfg.block_k),
-            num_multicast=cfg.cluster,
+            tma_load_op(cfg.cluster), mX, cute.slice_(self.x_box_layout(sX_layout, x_rows), (None, None, 0)),
+            (x_rows, cfg.block_k), num_multicast=cfg.cluster,
         )
-        tma_x_tail, mX_tail_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(self.x_box_layout(sX_layout, tail_rows), (None, None, 0)),
-            (tail_rows, cfg.block_k),
-        )
+        tma_x_tail, mX_tail_tma = tma_x, mX_tma
+        if const_expr(cfg.x_trim):
+            tma_x_tail, mX_tail_tma = cpasync.make_tiled_tma_atom(
+                tma_load_op(1), mX, cute.slice_(self.x_box_layout(sX_layout, tail_rows), (None, None, 0)),
+                (tail_rows, cfg.block_k),
+            )
 
         @cute.struct
         class SharedStorage:
@@ -586,12 +589,7 @@ class DecodeGemmKernel:
                     cute.arch.mbarrier_init(empty + s, 4 * cfg.wgs * cfg.cluster)
                 cute.arch.mbarrier_init(staged, 1)
             cute.arch.mbarrier_init_fence()
-        if const_expr(cfg.cluster > 1):
-            # No CTA may multicast into a peer or arrive on its barriers before they exist.
-            cute.arch.cluster_arrive_relaxed()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
+        barriers_ready(cfg.cluster)
 
         # This CTA's contiguous range [g_begin, g_end) of (tile, k-block) iterations.
         g_begin = (cta * cfg.iters) // cfg.ctas
@@ -606,10 +604,7 @@ class DecodeGemmKernel:
             cute.arch.griddepcontrol_wait()
             self.consumer(tiled_mma, sW, sX, full, empty, flag, staged, stage_area, stage_bufs, mY, mWs,
                           mCount, cta, tidx, warp, lane, g_begin, g_end)
-        if const_expr(cfg.cluster > 1):
-            # No CTA exits while a peer may still multicast into it or arrive on its barriers.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+        peers_done(cfg.cluster)
 
     # --------------------------------------------------------------------------------------------
     @cute.jit
@@ -699,12 +694,8 @@ class DecodeGemmKernel:
                 rows, first = cfg.x_boxes[b]
                 tma_x, tXgX, tXsX = x_views[b]
                 row_block = c + first // rows     # the box's rows of x in units of its height
-                if const_expr(cfg.cluster > 1):
-                    cute.copy(tma_x, tXgX[(None, row_block, kb)], tXsX[(None, stage * cfg.col_wgs + c)],
-                              tma_bar_ptr=bar, mcast_mask=cutlass.Int16((1 << cfg.cluster) - 1))
-                else:
-                    cute.copy(tma_x, tXgX[(None, row_block, kb)], tXsX[(None, stage * cfg.col_wgs + c)],
-                              tma_bar_ptr=bar)
+                tma_load(tma_x, tXgX[(None, row_block, kb)], tXsX[(None, stage * cfg.col_wgs + c)], bar,
+                         cfg.cluster)
 
     @cute.jit
     def prefetch_w(self, tma_w, tWgW, g: Int32):

@@ -60,7 +60,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .compile_cache import CompileCache
-from .smem_pipeline import EVICT_FIRST, pipeline_stages, release_stage
+from .smem_pipeline import (EVICT_FIRST, barriers_ready, peers_done, pipeline_stages, release_stage, tma_load,
+                            tma_load_op)
 
 # PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
 PROLOGUE_INPUTS = ("weight",)
@@ -257,9 +258,9 @@ class WideGemmKernel:
         # In a pair each CTA loads half of the shared operand's box rows and multicasts them to both.
         x_mcast, w_mcast = cfg.x_multicast, cfg.w_multicast
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
-            _tma_op(x_mcast), mX, cute.slice_(sX_layout, (None, None, 0)), (WG_ROWS, BLOCK_K), num_multicast=x_mcast)
+            tma_load_op(x_mcast), mX, cute.slice_(sX_layout, (None, None, 0)), (WG_ROWS, BLOCK_K), num_multicast=x_mcast)
         tma_w, mW_tma = cpasync.make_tiled_tma_atom(
-            _tma_op(w_mcast), mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K), num_multicast=w_mcast)
+            tma_load_op(w_mcast), mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K), num_multicast=w_mcast)
 
         @cute.struct
         class SharedStorage:
@@ -303,12 +304,7 @@ class WideGemmKernel:
                     # producers write into this stage).
                     cute.arch.mbarrier_init(empty + s, 4 * cfg.wgs * cfg.cluster)
             cute.arch.mbarrier_init_fence()
-        if const_expr(cfg.cluster > 1):
-            # No CTA may multicast into its peer or arrive on its barriers before they exist.
-            cute.arch.cluster_arrive_relaxed()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
+        barriers_ready(cfg.cluster)
         rank = cta % cfg.cluster
 
         # Tiles cta, cta + ctas, ...: this CTA's number of them.
@@ -318,10 +314,7 @@ class WideGemmKernel:
         else:
             cute.arch.griddepcontrol_wait()      # y is written only after the previous kernel
             self.consumer(tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane)
-        if const_expr(cfg.cluster > 1):
-            # Neither CTA exits while its peer may still write into it or arrive on its barriers.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+        peers_done(cfg.cluster)
 
     @cute.jit
     def tile_coords(self, cta: Int32, local: Int32):
@@ -377,12 +370,8 @@ class WideGemmKernel:
         cfg = self.cfg
         local = i // cfg.k_blocks
         n_blk, _ = self.tile_coords(cta, local)
-        if const_expr(cfg.w_multicast > 1):
-            cute.copy(tma_w, tWgW[(None, n_blk, i - local * cfg.k_blocks)], tWsW[(None, stage)],
-                      tma_bar_ptr=bar, cache_policy=evict_first, mcast_mask=cutlass.Int16(0b11))
-        else:
-            cute.copy(tma_w, tWgW[(None, n_blk, i - local * cfg.k_blocks)], tWsW[(None, stage)],
-                      tma_bar_ptr=bar, cache_policy=evict_first)
+        tma_load(tma_w, tWgW[(None, n_blk, i - local * cfg.k_blocks)], tWsW[(None, stage)], bar,
+                 cfg.w_multicast, cache_policy=evict_first)
 
     @cute.jit
     def load_x(self, tma_x, mX_tma, sX, cta, rank, i: Int32, stage: Int32, bar):
@@ -397,12 +386,8 @@ class WideGemmKernel:
             gX = cute.local_tile(cute.domain_offset((start, 0), mX_tma), (WG_ROWS, BLOCK_K), (0, None))
             tXsX, tXgX = cpasync.tma_partition(
                 tma_x, rank % x_mcast, cute.make_layout(x_mcast), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-            if const_expr(x_mcast > 1):
-                cute.copy(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)],
-                          tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
-            else:
-                cute.copy(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)],
-                          tma_bar_ptr=bar)
+            tma_load(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)], bar,
+                     x_mcast)
 
     @cute.jit
     def consumer(self, tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane):
@@ -451,11 +436,6 @@ class WideGemmKernel:
                         m = start + row
                         if m >= owned and m < cfg.m:
                             store_bf16x2(mY.iterator + (m * cfg.n + col0 + col), acc[j], acc[j + 1])
-
-
-def _tma_op(multicast: int):
-    """The bulk tensor copy into shared memory: multicast into a pair, or into this CTA only."""
-    return cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
 
 
 def store_bf16x2(dst, lo: Float32, hi: Float32) -> None:

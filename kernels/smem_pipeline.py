@@ -1,12 +1,14 @@
 """The shared-memory pipeline of the two decode GEMMs (kernels/gemm.py, kernels/gemm_wide.py):
-how deep a TMA -> wgmma pipeline may be, the L2 hint of their weight stream, and how a consumer
-frees a stage when the CTAs of a cluster multicast into each other's stages."""
+how deep a TMA -> wgmma pipeline may be, the L2 hint of their weight stream, how a box is
+loaded into one CTA's stage or multicast into a cluster's, and how the CTAs of a cluster
+agree that their stage barriers exist (and outlive every peer's use) and free a stage."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int16, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 SMEM_BUDGET = 200 * 1024   # default depth: leaves room on the SM for a PDL dependent's CTAs
 SMEM_MAX = 220 * 1024      # the ``stages`` knob: under the 227 KB an sm_90 CTA may use (barriers, alignment)
@@ -37,3 +39,39 @@ def release_stage(bar, cluster: cutlass.Constexpr) -> None:
             cute.arch.mbarrier_arrive(bar, Int32(r))
     else:
         cute.arch.mbarrier_arrive(bar)
+
+
+def tma_load_op(multicast: int):
+    """The bulk tensor copy into shared memory: multicast into ``multicast`` CTAs of a cluster,
+    or into this CTA only."""
+    return cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
+
+
+def tma_load(atom, src, dst, bar, multicast: int, cache_policy=None) -> None:
+    """Issue one TMA box load of ``atom`` (made with tma_load_op(multicast)) completing on the
+    mbarrier ``bar``: multicast into the first ``multicast`` CTAs of the cluster, with the L2
+    ``cache_policy`` hint if given."""
+    hints = {} if cache_policy is None else {"cache_policy": cache_policy}
+    if multicast > 1:
+        hints["mcast_mask"] = Int16((1 << multicast) - 1)
+    cute.copy(atom, src, dst, tma_bar_ptr=bar, **hints)
+
+
+@cute.jit
+def barriers_ready(cluster: cutlass.Constexpr) -> None:
+    """After the stage barriers are initialised: no CTA of the cluster may multicast into a
+    peer or arrive on its barriers before they exist (a CTA barrier when there is no cluster)."""
+    if const_expr(cluster > 1):
+        cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_wait()
+    else:
+        cute.arch.sync_threads()
+
+
+@cute.jit
+def peers_done(cluster: cutlass.Constexpr) -> None:
+    """Before exit: no CTA of the cluster leaves while a peer may still multicast into it or
+    arrive on its barriers (nothing to wait for without a cluster)."""
+    if const_expr(cluster > 1):
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
