@@ -80,13 +80,16 @@ class CompileCache:
     """Static configuration -> compiled CuTe DSL callable.
 
     ``build(*key)`` compiles one variant and returns the object ``cute.compile`` returned.
-    ``source`` is the module (or its source text) whose code decides what ``build`` generates.
+    ``source`` is the module (or its source text) whose code decides what ``build`` generates,
+    or a tuple of them: the kernel's module and the helper modules it generates code from,
+    so that an edit to a helper does not leave stale objects on disk.
     """
 
     def __init__(self, name: str, build: Callable[..., Any], source: Any, *, cache_dir: Path | str | None = None):
         self.name = name
         self._build = build
-        text = source if isinstance(source, str) else inspect.getsource(source)
+        sources = source if isinstance(source, tuple) else (source,)
+        text = "".join(s if isinstance(s, str) else inspect.getsource(s) for s in sources)
         self._source_hash = hashlib.sha256((text + _THIS_SOURCE).encode()).hexdigest()
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._memory: dict[Hashable, Any] = {}

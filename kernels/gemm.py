@@ -93,10 +93,10 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from . import gemm_wide
+from . import gemm_wide, smem_pipeline
 from .compile_cache import CompileCache
-from .smem_pipeline import (EVICT_FIRST, barriers_ready, peers_done, pipeline_stages, release_stage, tma_load,
-                            tma_load_op)
+from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, peers_done, pipeline_stages,
+                            release_stage, tma_load, tma_load_op)
 
 # PDL traits of this op, read by the scheduler (DESIGN §4).
 PROLOGUE_INPUTS = ("weight",)
@@ -488,13 +488,13 @@ class DecodeGemmKernel:
         # first again and never uses it: no second tensor map encoded per launch).
         (x_rows, _), (tail_rows, _) = cfg.x_boxes[0], cfg.x_boxes[-1]
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
-            tma_load_op(cfg.cluster), mX, cute.slice_(self.x_box_layout(sX_layout, x_rows), (None, None, 0)),
+            tma_load_op(cfg.cluster), mX, cute.slice_(first_rows_layout(sX_layout, x_rows), (None, None, 0)),
             (x_rows, cfg.block_k), num_multicast=cfg.cluster,
         )
         tma_x_tail, mX_tail_tma = tma_x, mX_tma
         if const_expr(cfg.x_trim):
             tma_x_tail, mX_tail_tma = cpasync.make_tiled_tma_atom(
-                tma_load_op(1), mX, cute.slice_(self.x_box_layout(sX_layout, tail_rows), (None, None, 0)),
+                tma_load_op(1), mX, cute.slice_(first_rows_layout(sX_layout, tail_rows), (None, None, 0)),
                 (tail_rows, cfg.block_k),
             )
 
@@ -520,14 +520,6 @@ class DecodeGemmKernel:
         )
 
     # --------------------------------------------------------------------------------------------
-    @staticmethod
-    def x_box_layout(sX_layout, rows: int):
-        """The first ``rows`` rows (whole 8-row swizzle atoms) of every x buffer of
-        ``sX_layout``: its swizzle, row and buffer strides, fewer rows."""
-        outer = sX_layout.outer
-        return cute.make_composed_layout(
-            sX_layout.inner, 0, cute.make_layout(((8, rows // 8), *outer.shape[1:]), stride=outer.stride))
-
     @cute.kernel
     def kernel(
         self,
@@ -575,10 +567,10 @@ class DecodeGemmKernel:
         # x_trim; the tail box's view starts at its first row, a whole number of 1 KB swizzle
         # atoms in, so the swizzle phase is the buffer's).
         (x_rows, _), (tail_rows, tail_first) = cfg.x_boxes[0], cfg.x_boxes[-1]
-        sX_box = storage.sX.get_tensor(self.x_box_layout(sX_layout, x_rows).outer, swizzle=sX_layout.inner)
+        sX_box = storage.sX.get_tensor(first_rows_layout(sX_layout, x_rows).outer, swizzle=sX_layout.inner)
         sX_tail = cute.make_tensor(
             cute.recast_ptr(storage.sX.data_ptr() + tail_first * cfg.block_k, sX_layout.inner, dtype=BFloat16),
-            self.x_box_layout(sX_layout, tail_rows).outer)
+            first_rows_layout(sX_layout, tail_rows).outer)
 
         if warp == cfg.producer_warp:
             with cute.arch.elect_one():
@@ -1167,7 +1159,7 @@ def _build(*key, options: str = ""):
     return cute.compile(kernel, *_compile_args())
 
 
-_CACHE = CompileCache("gemm", _build, sys.modules[__name__])
+_CACHE = CompileCache("gemm", _build, (sys.modules[__name__], smem_pipeline))
 
 
 def compile_cache() -> CompileCache:
@@ -1242,7 +1234,7 @@ def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAUL
     (``gemm_wide.default_applies``, which asks less of them where the stream-K kernel would
     split K). ``tuning``: ``wide`` (0 / 1: force one kernel), knobs of
     TUNING_KNOBS (which imply the stream-K kernel) or of gemm_wide.TUNING_KNOBS (which imply
-    the whole-K one; ``stages`` and ``cluster`` belong to both and imply neither)."""
+    the whole-K one; ``stages``, ``cluster`` and ``x_trim`` belong to both and imply neither)."""
     wide = tuning.pop("wide", None)
     stream_k_knobs = set(tuning) - set(gemm_wide.TUNING_KNOBS)
     wide_only_knobs = set(tuning) - set(TUNING_KNOBS)

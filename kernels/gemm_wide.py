@@ -25,7 +25,9 @@ Structure
   neighbouring W tiles and shares x (``pair_shares``; measured slower with one tile per CTA).
 * **Batch rows past M**: a warpgroup's 64-row x box that would reach past row M is moved back
   to end at M (``x_rows``; rows computed twice are stored once), because TMA's zero fill of
-  the rows past x cost up to 40% at 160-200 rows.
+  the rows past x cost up to 40% at 160-200 rows. Below 48 rows, where no box can move back,
+  the box holds only x's rows rounded up to 16 (``x_trim``; 8-26% faster than a 64-row box
+  at 32-40 rows, bench/gemm_notes.md §24).
 * **Persistent grid**: ``min(tiles, SMs)`` CTAs; CTA c computes tiles c, c + ctas, ... (tile t
   is W tile t // batch_tiles, batch tile t % batch_tiles, so the CTAs that read the same W
   tile run side by side and the second read hits L2). The producer warp streams (W, x) stages
@@ -59,16 +61,17 @@ from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from . import smem_pipeline
 from .compile_cache import CompileCache
-from .smem_pipeline import (EVICT_FIRST, barriers_ready, peers_done, pipeline_stages, release_stage, tma_load,
-                            tma_load_op)
+from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, peers_done, pipeline_stages,
+                            release_stage, tma_load, tma_load_op)
 
 # PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
 PROLOGUE_INPUTS = ("weight",)
 WAITS = True
 TRIGGER = "early"
 
-TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster")
+TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_trim")
 BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
 WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
 N_TILE_STEP = 16           # wgmma N steps of 8; CuTe DSL 4.8.1 needs an even number of 8-row atoms
@@ -108,7 +111,8 @@ class WideGemmConfig:
     """Every static decision for one (M, K, N, ctas[, batch_tile, n_tile, stages, cluster])."""
 
     def __init__(self, m: int, k: int, n: int, ctas: int, *, batch_tile: int | None = None,
-                 n_tile: int | None = None, stages: int | None = None, cluster: int | None = None):
+                 n_tile: int | None = None, stages: int | None = None, cluster: int | None = None,
+                 x_trim: int | None = None):
         if not (1 <= m and k > 0 and k % BLOCK_K == 0 and n > 0 and n % N_TILE_STEP == 0):
             raise ValueError(f"wide decode GEMM: M={m}, K={k}, N={n} unsupported (K a multiple of "
                              f"{BLOCK_K}, N of {N_TILE_STEP})")
@@ -161,9 +165,24 @@ class WideGemmConfig:
         self.k_blocks = self.k // BLOCK_K
         self.threads = 128 * self.wgs + 32        # + one producer warp
         self.producer_warp = 4 * self.wgs
-        self.x_box_bytes = WG_ROWS * BLOCK_K * 2
+        # Below 48 rows (one batch tile) a warpgroup's x box holds x's rows rounded up to
+        # 16 (``x_trim``) instead of its 64: TMA zero-fills the box's rows past
+        # x, which costs time (bench/gemm_notes.md §21, §23). The buffer's other rows keep
+        # what they held; the batch rows computed from them (>= M) are never stored. Whole
+        # 16-row boxes: CuTe DSL 4.8.1 aborts building a TMA box of an odd number of 8-row
+        # swizzle atoms. Not with x shared in pairs (each CTA would load an odd atom count).
+        trimmable = _ceil_div(self.m, N_TILE_STEP) * N_TILE_STEP < WG_ROWS and self.x_multicast == 1
+        if x_trim is None:
+            x_trim = int(trimmable)
+        if x_trim not in (0, 1) or (x_trim and not trimmable):
+            raise ValueError(f"x_trim={x_trim} unsupported here (0, or 1 below 48 rows ({self.m}) without "
+                             f"x shared in pairs)")
+        self.x_trim = int(x_trim)
+        self.x_box_rows = _ceil_div(self.m, N_TILE_STEP) * N_TILE_STEP if self.x_trim else WG_ROWS
         self.w_stage_bytes = self.n_tile * BLOCK_K * 2
-        self.stage_bytes = self.wgs * self.x_box_bytes + self.w_stage_bytes
+        # Shared memory per stage (64-row x buffers), and what TMA delivers into it.
+        self.stage_bytes = self.wgs * WG_ROWS * BLOCK_K * 2 + self.w_stage_bytes
+        self.stage_tx_bytes = self.wgs * self.x_box_rows * BLOCK_K * 2 + self.w_stage_bytes
         self.stages = pipeline_stages(stages, self.stage_bytes)
 
     @staticmethod
@@ -207,7 +226,8 @@ class WideGemmConfig:
         return (f"WideGemmConfig(m={self.m}, k={self.k}, n={self.n}, ctas={self.ctas}, "
                 f"tile={self.batch_tile}x{self.n_tile}, tiles={self.batch_tiles}x{self.n_tiles}, "
                 f"wave_fill={self.wave_fill(self.m, self.n, self.sms, self.batch_tile, self.n_tile):.2f}, "
-                f"k_blocks={self.k_blocks}, stages={self.stages}, cluster={self.cluster})")
+                f"k_blocks={self.k_blocks}, stages={self.stages}, cluster={self.cluster}"
+                + (", x_trim=1" if self.x_trim else "") + ")")
 
 
 def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_split: bool = False) -> bool:
@@ -258,7 +278,8 @@ class WideGemmKernel:
         # In a pair each CTA loads half of the shared operand's box rows and multicasts them to both.
         x_mcast, w_mcast = cfg.x_multicast, cfg.w_multicast
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
-            tma_load_op(x_mcast), mX, cute.slice_(sX_layout, (None, None, 0)), (WG_ROWS, BLOCK_K), num_multicast=x_mcast)
+            tma_load_op(x_mcast), mX, cute.slice_(first_rows_layout(sX_layout, cfg.x_box_rows), (None, None, 0)),
+            (cfg.x_box_rows, BLOCK_K), num_multicast=x_mcast)
         tma_w, mW_tma = cpasync.make_tiled_tma_atom(
             tma_load_op(w_mcast), mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K), num_multicast=w_mcast)
 
@@ -295,6 +316,7 @@ class WideGemmKernel:
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        sX_box = storage.sX.get_tensor(first_rows_layout(sX_layout, cfg.x_box_rows).outer, swizzle=sX_layout.inner)
         sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
         if warp == cfg.producer_warp:
             with cute.arch.elect_one():
@@ -310,7 +332,7 @@ class WideGemmKernel:
         # Tiles cta, cta + ctas, ...: this CTA's number of them.
         n_local = (cfg.tiles - 1 - cta) // cfg.ctas + 1
         if warp == cfg.producer_warp:
-            self.producer(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_local * cfg.k_blocks)
+            self.producer(tma_x, mX_tma, tma_w, mW_tma, sX_box, sW, full, empty, cta, rank, n_local * cfg.k_blocks)
         else:
             cute.arch.griddepcontrol_wait()      # y is written only after the previous kernel
             self.consumer(tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane)
@@ -339,6 +361,7 @@ class WideGemmKernel:
 
     @cute.jit
     def producer(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters):
+        """``sX``: the x buffers as TMA fills them (their first ``x_box_rows`` rows)."""
         cfg = self.cfg
         gW = cute.local_tile(mW_tma, (cfg.n_tile, BLOCK_K), (None, None))
         w_mcast = cfg.w_multicast
@@ -351,7 +374,7 @@ class WideGemmKernel:
         n_pre = cutlass.min(n_iters, cfg.stages)
         for i in cutlass.range(n_pre, unroll=1):
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
             self.load_w(tma_w, tWgW, tWsW, cta, i, i, full + i, evict_first)
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(n_pre, unroll=1):
@@ -360,7 +383,7 @@ class WideGemmKernel:
             s = i % cfg.stages
             cute.arch.mbarrier_wait(empty + s, ((i // cfg.stages) % 2) ^ 1)
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_tx_bytes)
             self.load_w(tma_w, tWgW, tWsW, cta, i, s, full + s, evict_first)
             self.load_x(tma_x, mX_tma, sX, cta, rank, i, s, full + s)
 
@@ -383,7 +406,7 @@ class WideGemmKernel:
         x_mcast = cfg.x_multicast
         for w in cutlass.range_constexpr(cfg.wgs):
             _, start = self.x_rows(b_blk, w)
-            gX = cute.local_tile(cute.domain_offset((start, 0), mX_tma), (WG_ROWS, BLOCK_K), (0, None))
+            gX = cute.local_tile(cute.domain_offset((start, 0), mX_tma), (cfg.x_box_rows, BLOCK_K), (0, None))
             tXsX, tXgX = cpasync.tma_partition(
                 tma_x, rank % x_mcast, cute.make_layout(x_mcast), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
             tma_load(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)], bar,
@@ -464,7 +487,7 @@ def _build(*key, options: str = ""):
     return cute.compile(kernel, *args)
 
 
-_CACHE = CompileCache("gemm_wide", _build, sys.modules[__name__])
+_CACHE = CompileCache("gemm_wide", _build, (sys.modules[__name__], smem_pipeline))
 
 
 def compile_cache() -> CompileCache:

@@ -1,7 +1,7 @@
 """The shared-memory pipeline of the two decode GEMMs (kernels/gemm.py, kernels/gemm_wide.py):
 how deep a TMA -> wgmma pipeline may be, the L2 hint of their weight stream, how a box is
-loaded into one CTA's stage or multicast into a cluster's, and how the CTAs of a cluster
-agree that their stage barriers exist (and outlive every peer's use) and free a stage."""
+loaded into one CTA's stage or multicast into a cluster's (or into the first rows of a buffer),
+and how the CTAs of a cluster agree that their stage barriers exist (and outlive every peer's use) and free a stage."""
 
 from __future__ import annotations
 
@@ -39,6 +39,16 @@ def release_stage(bar, cluster: cutlass.Constexpr) -> None:
             cute.arch.mbarrier_arrive(bar, Int32(r))
     else:
         cute.arch.mbarrier_arrive(bar)
+
+
+def first_rows_layout(buffers, rows: int):
+    """The first ``rows`` rows (whole 8-row swizzle atoms) of every buffer of ``buffers``, a
+    128B-swizzled K-major (rows, K, buffer) layout: the same swizzle and strides, fewer rows.
+    TMA boxes shorter than the buffer land there, so that rows past the end of x are not
+    loaded (TMA would zero-fill them, at a cost: bench/gemm_notes.md §23)."""
+    outer = buffers.outer
+    return cute.make_composed_layout(
+        buffers.inner, 0, cute.make_layout(((8, rows // 8), *outer.shape[1:]), stride=outer.stride))
 
 
 def tma_load_op(multicast: int):

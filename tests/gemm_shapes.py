@@ -69,7 +69,10 @@ TUNING_CASES = [
     (128, 8192, 7168, None, dict(wide=1)),
     (200, 1024, 4096, None, dict(wide=1, n_tile=16)),
     (256, 1024, 4096, None, dict(wide=1, batch_tile=64, n_tile=32)),
-    (8, 8192, 7168, None, dict(wide=1)),
+    (8, 8192, 7168, None, dict(wide=1)),              # x boxes of 16 rows (x_trim)
+    (8, 8192, 7168, None, dict(wide=1, x_trim=0)),    # ... of 64, 56 rows zero-filled
+    (40, 7168, 10240, None, dict(wide=1)),            # ... of 48
+    (32, 8192, 7168, None, dict(wide=1)),             # ... of 32
     (1, 1024, 1024, None, dict(wide=1)),
     (3, 2816, 1024, None, dict(wide=1, batch_tile=128, n_tile=64)),
     (256, 8192, 7168, None, dict(wide=1, stages=3)),

@@ -673,11 +673,48 @@ def test_plan_routes_between_the_two_kernels():
     assert WideGemmConfig.from_key(key).key() == key
 
 
+def test_compile_caches_hash_the_shared_pipeline_helpers():
+    """The decode GEMMs' objects on disk are keyed by kernels/smem_pipeline.py's source too (it
+    generates part of their code), so an edit there cannot leave stale kernels behind."""
+    import sys
+
+    from graphc.kernels import smem_pipeline
+    from graphc.kernels.compile_cache import CompileCache
+
+    for cache, module in ((gemm.compile_cache(), gemm), (gemm_wide.compile_cache(), gemm_wide)):
+        module = sys.modules[module.__name__]
+        key = (8, 1024, 1024)
+        assert cache.digest(key) == CompileCache(cache.name, None, (module, smem_pipeline)).digest(key)
+        assert cache.digest(key) != CompileCache(cache.name, None, module).digest(key)
+    assert CompileCache("t", None, ("a", "b")).digest((1,)) != CompileCache("t", None, ("a", "c")).digest((1,))
+
+
+def test_wide_x_boxes_trimmed_below_48_rows():
+    """One batch tile below 48 rows: each warpgroup's x box holds x's rows rounded up to 16
+    (TMA zero-fills rows past x); the stage barrier expects only those bytes; the shared
+    memory per stage stays a 64-row buffer."""
+    for m, rows in ((1, 16), (8, 16), (17, 32), (40, 48), (48, 48)):
+        cfg = gemm.plan(m, 7168, 10240, None, 132, wide=1)
+        assert (cfg.x_trim, cfg.x_box_rows) == (1, rows)
+        assert cfg.stage_tx_bytes == rows * 64 * 2 + cfg.n_tile * 64 * 2
+        assert cfg.stage_bytes == 64 * 64 * 2 + cfg.n_tile * 64 * 2
+    for m, tuning in ((49, {}), (64, {}), (128, {}), (32, {"cluster": 2}), (8, {"x_trim": 0})):
+        cfg = gemm.plan(m, 7168, 10240, None, 132, wide=1, **tuning)
+        assert cfg.x_trim == 0 and cfg.x_box_rows == 64 and cfg.stage_tx_bytes == cfg.stage_bytes, (m, tuning)
+    with pytest.raises(ValueError, match="x_trim=1 unsupported"):
+        gemm.plan(64, 7168, 10240, None, 132, wide=1, x_trim=1)
+    with pytest.raises(ValueError, match="x_trim=1 unsupported"):
+        gemm.plan(32, 7168, 10240, None, 132, wide=1, cluster=2, x_trim=1)
+    # Both kernels take the knob; it implies neither.
+    assert isinstance(gemm.plan(120, 8192, 7168, None, 132, x_trim=0), GemmConfig)
+
+
 @pytest.mark.parametrize("m, k, n, tuning", [
     (256, 8192, 7168, {}),
     (200, 8192, 7168, {"cluster": 1}),
     (128, 7168, 163840, {}),                  # several tiles per CTA
     (3, 2816, 1024, {"n_tile": 64, "batch_tile": 128}),
+    (40, 7168, 10240, {}),                    # x boxes of 48 rows (x_trim)
     (64, 8192, 7168, {"cluster": 2}),         # one batch tile: x shared by pairs of W tiles
 ])
 def test_wide_ptx(m, k, n, tuning):
