@@ -108,7 +108,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class WideGemmConfig:
-    """Every static decision for one (M, K, N, ctas[, batch_tile, n_tile, stages, cluster])."""
+    """Every static decision for one (M, K, N, ctas[, batch_tile, n_tile, stages, cluster, x_trim])."""
 
     def __init__(self, m: int, k: int, n: int, ctas: int, *, batch_tile: int | None = None,
                  n_tile: int | None = None, stages: int | None = None, cluster: int | None = None,
@@ -165,12 +165,12 @@ class WideGemmConfig:
         self.k_blocks = self.k // BLOCK_K
         self.threads = 128 * self.wgs + 32        # + one producer warp
         self.producer_warp = 4 * self.wgs
-        # Below 48 rows (one batch tile) a warpgroup's x box holds x's rows rounded up to
-        # 16 (``x_trim``) instead of its 64: TMA zero-fills the box's rows past
-        # x, which costs time (bench/gemm_notes.md §21, §23). The buffer's other rows keep
-        # what they held; the batch rows computed from them (>= M) are never stored. Whole
-        # 16-row boxes: CuTe DSL 4.8.1 aborts building a TMA box of an odd number of 8-row
-        # swizzle atoms. Not with x shared in pairs (each CTA would load an odd atom count).
+        # Below 48 rows (one batch tile) a warpgroup's x box holds x's rows rounded up to 16
+        # (``x_trim``) instead of its 64: TMA zero-fills a box's rows past x, which costs
+        # 8-26% at 32-40 rows (bench/gemm_notes.md §24). The buffer's other rows keep what
+        # they held; the batch rows computed from them (>= M) are never stored. Whole 16-row
+        # boxes: CuTe DSL 4.8.1 aborts building a TMA box of an odd number of 8-row swizzle
+        # atoms, which is also why not with x shared in pairs (half a box per CTA).
         trimmable = _ceil_div(self.m, N_TILE_STEP) * N_TILE_STEP < WG_ROWS and self.x_multicast == 1
         if x_trim is None:
             x_trim = int(trimmable)
@@ -277,9 +277,10 @@ class WideGemmKernel:
         sW_layout = sm90_utils.make_smem_layout_b(k_major, mma_tiler, BFloat16, cfg.stages)
         # In a pair each CTA loads half of the shared operand's box rows and multicasts them to both.
         x_mcast, w_mcast = cfg.x_multicast, cfg.w_multicast
+        sX_box_layout = first_rows_layout(sX_layout, cfg.x_box_rows)      # x_trim: fewer rows than the buffer
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
-            tma_load_op(x_mcast), mX, cute.slice_(first_rows_layout(sX_layout, cfg.x_box_rows), (None, None, 0)),
-            (cfg.x_box_rows, BLOCK_K), num_multicast=x_mcast)
+            tma_load_op(x_mcast), mX, cute.slice_(sX_box_layout, (None, None, 0)), (cfg.x_box_rows, BLOCK_K),
+            num_multicast=x_mcast)
         tma_w, mW_tma = cpasync.make_tiled_tma_atom(
             tma_load_op(w_mcast), mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K), num_multicast=w_mcast)
 

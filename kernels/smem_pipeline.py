@@ -1,7 +1,8 @@
 """The shared-memory pipeline of the two decode GEMMs (kernels/gemm.py, kernels/gemm_wide.py):
 how deep a TMA -> wgmma pipeline may be, the L2 hint of their weight stream, how a box is
-loaded into one CTA's stage or multicast into a cluster's (or into the first rows of a buffer),
-and how the CTAs of a cluster agree that their stage barriers exist (and outlive every peer's use) and free a stage."""
+loaded into one CTA's stage or multicast into a cluster's (or into the first rows of a
+buffer), and how the CTAs of a cluster agree that their stage barriers exist (and outlive
+every peer's use) and free a stage."""
 
 from __future__ import annotations
 
