@@ -6,12 +6,13 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .floor import step_floor_s
+from .floor import floor_bandwidth, step_floor_s
 from .reference import run_kernels
 
 
@@ -31,6 +32,41 @@ def time_replays(fn: Callable[[], None], warmup: int = 5, replays: int = 50) -> 
     return statistics.median(times)
 
 
+def copy_bytes_per_s(device="cuda", nbytes: int = 256 << 20, copies: int = 10, rounds: int = 7,
+                     warmup_s: float = 0.3) -> float:
+    """The GPU's device-to-device copy bandwidth, bytes read + written per second: the median
+    of ``rounds`` event-timed runs of ``copies`` back-to-back copies of ``nbytes`` (far past
+    the 50 MB L2), after ``warmup_s`` of copies: an idle GPU measured cold copies at 5% of
+    its bandwidth while its clocks came up."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        for _ in range(copies):
+            dst.copy_(src)
+        torch.cuda.synchronize(device)
+    rates = []
+    for _ in range(rounds):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(copies):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        rates.append(2 * nbytes * copies / (begin.elapsed_time(end) / 1e3))
+    del src, dst
+    return statistics.median(rates)
+
+
+def device_floor_bandwidth(device="cuda") -> dict:
+    """The bandwidth the floors use on this GPU and where it comes from, with the copy
+    bandwidth this board measures now (boards differ by a few percent)."""
+    name = torch.cuda.get_device_name(device)
+    measured = copy_bytes_per_s(device)
+    bytes_per_s, source = floor_bandwidth(name, measured)
+    return {"hbm_bytes_per_s": bytes_per_s, "source": source, "copy_bytes_per_s": measured}
+
+
 def _inputs(step, batch: int, context: int):
     gen = torch.Generator().manual_seed(batch)
     tokens = torch.randint(0, step.spec.model.vocab, (batch,), generator=gen).cuda()
@@ -39,22 +75,26 @@ def _inputs(step, batch: int, context: int):
 
 
 def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = True,
-               progress=lambda s: None, step=None, power: bool = False) -> list[dict]:
-    """One row per batch size: the replayed step's median time against its HBM floor, and
-    with ``power`` what the board drew meanwhile (``power.py``: 1.5 s of back-to-back
-    replays per batch size, so a power-capped batch size shows as one)."""
+               progress=lambda s: None, step=None, power: bool = False,
+               hbm_bytes_per_s: float | None = None) -> list[dict]:
+    """One row per batch size: the replayed step's median time against its HBM floor (at
+    ``hbm_bytes_per_s``; default: ``device_floor_bandwidth``), and with ``power`` what the
+    board drew meanwhile (``power.py``: 1.5 s of back-to-back replays per batch size, so a
+    power-capped batch size shows as one)."""
     from .power import measure_power, nvidia_smi_id
     from .runtime import build
 
     step = step or build(spec, batch_sizes, weights=weights, device="cuda", use_pdl=use_pdl,
                          progress=progress)
+    if hbm_bytes_per_s is None:
+        hbm_bytes_per_s = device_floor_bandwidth(step.device)["hbm_bytes_per_s"]
     rows = []
     stats = step.stats()
     for b in batch_sizes:
         tokens, seq_lens = _inputs(step, b, context)
         step(tokens, seq_lens)
         t = time_replays(lambda: step.graphs[b].replay())
-        floor = step_floor_s(step.schedule, b, context)
+        floor = step_floor_s(step.schedule, b, context, hbm_bytes_per_s)
         row = {"batch": b, "step_us": t * 1e6, "floor_us": floor * 1e6, "ratio": t / floor, **stats[b]}
         if power:
             summary = measure_power(step.graphs[b].replay, nvidia_smi_id(step.device))
@@ -100,9 +140,11 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
         from .errors import GraphcError
         raise GraphcError("graphc bench needs a CUDA GPU")
     step = build(spec, batch_sizes, weights=weights, device="cuda", progress=progress)
-    rows = bench_step(spec, batch_sizes, context, step=step, power=power)
+    bandwidth = device_floor_bandwidth(step.device)
+    rows = bench_step(spec, batch_sizes, context, step=step, power=power,
+                      hbm_bytes_per_s=bandwidth["hbm_bytes_per_s"])
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "spec": str(spec_path), "context": context,
+              "spec": str(spec_path), "context": context, "floor_bandwidth": bandwidth,
               "implementations": {b: step.schedules[b].implementation_summary() for b in batch_sizes},
               "rows": rows}
     if compare:
@@ -126,7 +168,8 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
         del step
         torch.cuda.empty_cache()
         plain = build(spec.with_residual("plain"), batch_sizes, device="cuda", progress=progress)
-        for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=plain)):
+        for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=plain,
+                                         hbm_bytes_per_s=bandwidth["hbm_bytes_per_s"])):
             r["plain_step_us"] = p["step_us"]
             r["attn_res_overhead"] = (r["step_us"] - p["step_us"]) / r["step_us"]
         del plain
@@ -141,8 +184,12 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
 
 
 def format_bench_table(result: dict) -> str:
-    lines = [f"{result['spec']} on {result['gpu']} ({result['date']}), context {result['context']}",
-             format_step_table(result["rows"])]
+    lines = [f"{result['spec']} on {result['gpu']} ({result['date']}), context {result['context']}"]
+    if "floor_bandwidth" in result:        # results written before it was recorded lack it
+        bw = result["floor_bandwidth"]
+        lines.append(f"floor: bytes / {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({bw['source']}); this board "
+                     f"copies at {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    lines.append(format_step_table(result["rows"]))
     if "torch_eager_us" in result["rows"][0]:
         lines.append(f"{'batch':>6} {'graphc us':>10} {'plain us':>10} {'AttnRes ovh':>12} "
                      f"{'AttnRes share':>14} {'ref graph us':>13} {'eager us':>10} {'vs ref graph':>13}")

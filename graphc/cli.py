@@ -60,6 +60,7 @@ def _context(spec, requested):
 def cmd_build(args) -> int:
     from .floor import step_floor_s
     from .graph import weight_bytes, weight_shapes
+    from .plan import memory_layout
     from .viz import write_dataflow_svg, write_schedule_html
 
     from .schedule import build_schedule
@@ -86,6 +87,8 @@ def cmd_build(args) -> int:
          + (f" (block size {spec.residual.block_size}, {spec.num_blocks()} blocks)"
             if spec.residual.kind == "attn_res" else ""))
     _say(f"  kernels {len(schedule.kernels)}, weights {wbytes / 1e9:.2f} GB")
+    layout = memory_layout(schedule, sizes[-1])
+    _say(f"  GPU memory at batch sizes up to {sizes[-1]}: {layout.total_bytes / 1e9:.2f} GB ({layout.describe()})")
     for group, s in _groups(schedules):
         _say(f"  batch {', '.join(map(str, group))}: {s.describe()}")
     _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")

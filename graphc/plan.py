@@ -9,13 +9,14 @@ live sequence.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .errors import GraphcError
-from .graph import weight_shapes
-from .ops.base import Buffer
+from .graph import weight_bytes, weight_shapes
+from .ops.base import DTYPES, Buffer
 from .schedule import Schedule
 from .weights import Weights
 
@@ -51,34 +52,18 @@ class Plan:
         return {"T": self.max_batch, "slots": self.slots}
 
     def _allocate(self) -> dict[str, torch.Tensor]:
-        """Buffer name -> tensor at the largest size; activations share slabs where their
-        lifetimes (producer .. last reader, in kernel order) do not overlap."""
-        kernels = self.schedule.kernels
-        born, last_use = {}, {}
-        for k in kernels:
-            for v in k.op.reads.values():
-                last_use[v.buffer.name] = k.index
-            for v in k.op.writes.values():
-                born.setdefault(v.buffer.name, k.index)
-        for out in self.schedule.graph.graph["outputs"]:
-            last_use[out] = len(kernels)           # outputs outlive the step
-        storage, slabs = {}, []                     # slabs: [numel, dtype, free_after, tensor]
+        """Buffer name -> tensor at the largest size (``memory_layout``'s slabs)."""
+        layout = memory_layout(self.schedule, self.max_batch)
+        slabs = [torch.empty(numel, dtype=DTYPES[dtype], device=self.device)
+                 for numel, dtype in layout.slabs]
+        storage = {}
         for name, buf in self.buffers.items():
-            shape = buf.shape(self.max_sizes)
-            numel = 1
-            for s in shape:
-                numel *= s
-            if buf.kind != "activation":      # inputs and state start zeroed (an empty KV cache)
-                storage[name] = torch.zeros(shape, dtype=buf.torch_dtype, device=self.device)
-                continue
-            start, end = born[name], last_use.get(name, born[name])
-            slab = next((s for s in slabs if s[0] == numel and s[1] == buf.dtype and s[2] < start), None)
-            if slab is None:
-                slab = [numel, buf.dtype, end, torch.empty(numel, dtype=buf.torch_dtype, device=self.device)]
-                slabs.append(slab)
-            slab[2] = end
-            storage[name] = slab[3]
-        self.activation_bytes = sum(s[3].numel() * s[3].element_size() for s in slabs)
+            if name in layout.slab_of:
+                storage[name] = slabs[layout.slab_of[name]]
+            else:                     # inputs and state start zeroed (an empty KV cache)
+                storage[name] = torch.zeros(buf.shape(self.max_sizes), dtype=buf.torch_dtype,
+                                            device=self.device)
+        self.activation_bytes = layout.activation_bytes
         return storage
 
     def view(self, name: str, batch: int) -> torch.Tensor:
@@ -125,3 +110,107 @@ class Plan:
 
     def output(self, batch: int) -> torch.Tensor:
         return self.view(self.schedule.graph.graph["outputs"][0], batch)
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """Where a plan's buffers live at one largest batch size, and the device bytes it takes,
+    computed without allocating anything.
+
+    slab_of: activation buffer -> slab index; slabs: (numel, dtype) of each slab (activations
+    whose lifetimes, producer .. last reader in kernel order, do not overlap share one);
+    every other buffer (inputs, state such as the KV cache) has its own tensor."""
+
+    max_batch: int
+    slots: int
+    slab_of: dict
+    slabs: list
+    weight_bytes: int
+    kv_cache_bytes: int           # state with a leading "slots" dimension
+    other_state_bytes: int        # prefix, saved blocks, step inputs
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_cache_bytes + self.other_state_bytes + self.activation_bytes
+
+    def describe(self, weight_bytes: int | None = None) -> str:
+        """What takes the memory; ``weight_bytes``: the weights still to allocate (default all)."""
+        w = self.weight_bytes if weight_bytes is None else weight_bytes
+        weights = f"weights {w / 1e9:.2f} GB" if w else "weights already on the device"
+        return (f"{weights}, KV cache {self.kv_cache_bytes / 1e9:.2f} GB ({self.slots} slots: batch "
+                f"{self.max_batch} + 1 for padding), activations and state "
+                f"{(self.activation_bytes + self.other_state_bytes) / 1e9:.2f} GB")
+
+
+def memory_layout(schedule: Schedule, max_batch: int) -> MemoryLayout:
+    """The buffers of ``schedule``'s graph at ``max_batch`` rows (module docstring), and what
+    they and the weights take on the device."""
+    sizes = {"T": max_batch, "slots": max_batch + 1}
+    buffers: dict[str, Buffer] = schedule.graph.graph["buffers"]
+    kernels = schedule.kernels
+    born, last_use = {}, {}
+    for k in kernels:
+        for v in k.op.reads.values():
+            last_use[v.buffer.name] = k.index
+        for v in k.op.writes.values():
+            born.setdefault(v.buffer.name, k.index)
+    for out in schedule.graph.graph["outputs"]:
+        last_use[out] = len(kernels)           # outputs outlive the step
+    slab_of, slabs, free_after = {}, [], []
+    kv = other = 0
+    for name, buf in buffers.items():
+        if buf.kind != "activation":
+            if buf.kind == "state" and buf.dims and buf.dims[0] == "slots":
+                kv += buf.nbytes(sizes)
+            else:
+                other += buf.nbytes(sizes)
+            continue
+        numel = math.prod(buf.shape(sizes))
+        start, end = born[name], last_use.get(name, born[name])
+        i = next((i for i, (n, d) in enumerate(slabs)
+                  if n == numel and d == buf.dtype and free_after[i] < start), None)
+        if i is None:
+            i = len(slabs)
+            slabs.append((numel, buf.dtype))
+            free_after.append(end)
+        free_after[i] = end
+        slab_of[name] = i
+    activations = sum(n * DTYPES[d].itemsize for n, d in slabs)
+    return MemoryLayout(max_batch, max_batch + 1, slab_of, slabs, weight_bytes(schedule.graph), kv,
+                        other, activations)
+
+
+# Device memory beyond the buffers and the weights: kernel workspaces (the decode GEMM's
+# partials: at most ~35 MB), cuBLAS's workspace, the captured graphs' private pools (33 MB at
+# 32-64 rows on kimi_k3_dense_8l) and compiled modules.
+DEVICE_HEADROOM_BYTES = 1 << 30
+
+
+def check_fits(schedule: Schedule, max_batch: int, free_bytes: int, device_name: str,
+               new_weight_bytes: int | None = None, transient_bytes: int = 0) -> MemoryLayout:
+    """Refuse, before anything is allocated, a build whose buffers and weights cannot fit in
+    ``free_bytes``; say what takes the memory and the largest batch size that would fit.
+
+    new_weight_bytes: the weights still to be allocated (None: all of them; 0 when they are
+    already on the device); transient_bytes: the peak of temporaries while creating them."""
+    layout = memory_layout(schedule, max_batch)
+    weights = layout.weight_bytes if new_weight_bytes is None else new_weight_bytes
+
+    def need(lay: MemoryLayout) -> int:
+        return lay.total_bytes - lay.weight_bytes + weights + transient_bytes + DEVICE_HEADROOM_BYTES
+
+    if need(layout) <= free_bytes:
+        return layout
+    lo, hi = 0, max_batch            # the largest batch that fits is in [lo, hi): need grows with it
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(memory_layout(schedule, mid)) <= free_bytes else (lo, mid)
+    fits = lo
+    spec = schedule.spec
+    raise GraphcError(
+        f"{spec.model.name} at batch sizes up to {max_batch} needs {need(layout) / 1e9:.1f} GB of GPU "
+        f"memory: {layout.describe(weights)}, workspace {(transient_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.1f} GB; "
+        f"{device_name} has {free_bytes / 1e9:.1f} GB free. "
+        + (f"Capture batch sizes up to {fits}" if fits else "No batch size fits")
+        + f", or lower model.max_context ({spec.model.max_context}) in {spec.path}")

@@ -9,6 +9,7 @@ the same API runs the reference executor instead of graphs (for tests and small 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -19,7 +20,7 @@ import torch
 
 from .errors import GraphcError
 from .graph import build_graph, weight_shapes
-from .plan import Plan
+from .plan import Plan, check_fits
 from .reference import run_kernels
 from .schedule import Schedule, build_schedule
 from .spec import Spec, load_spec
@@ -231,6 +232,12 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     chosen = implementations if dev.type == "cuda" else None
     schedules = {b: build_schedule(graph, chosen, use_pdl, batch=b) for b in sizes}
     shapes = weight_shapes(graph)
+    if dev.type == "cuda":
+        # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
+        free, _ = torch.cuda.mem_get_info(dev)
+        check_fits(schedules[sizes[-1]], sizes[-1], free, f"{torch.cuda.get_device_name(dev)} ({dev})",
+                   new_weight_bytes=0 if isinstance(weights, Weights) else None,
+                   transient_bytes=4 * max(math.prod(s) for s in shapes.values()) if weights is None else 0)
     t0 = time.perf_counter()
     if weights is None:
         weights = Weights.random(shapes, seed=seed, device=dev)

@@ -167,3 +167,14 @@ def test_chain_timeline_instrumentation_compiles():
     pf = [timeline.l2_prefetch_of(i) for i in range(timeline.LINKS)]
     assert pf[21] != pf[22] and pf[23] not in (pf[21], pf[22]) and pf[21] not in pf[22:]
     assert pf[22] not in pf[23:]
+
+
+def test_floor_bandwidth_is_fixed_for_the_h200_and_measured_elsewhere():
+    from graphc.errors import GraphcError
+    from graphc.floor import floor_bandwidth
+
+    assert floor_bandwidth("NVIDIA H200", 4.1e12) == (H200_HBM_BYTES_PER_S, "NVIDIA H200 lab measurement")
+    bw, source = floor_bandwidth("NVIDIA H100 80GB HBM3", 2.9e12)
+    assert bw == 2.9e12 and "measured on this NVIDIA H100 80GB HBM3" in source
+    with pytest.raises(GraphcError, match="no HBM bandwidth known for NVIDIA H100"):
+        floor_bandwidth("NVIDIA H100 80GB HBM3", None)

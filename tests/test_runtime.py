@@ -118,8 +118,11 @@ def test_bench_table_formats_recorded_numbers():
            "attn_res_overhead": 50 / 2700, "attn_res_share": 0.031, "reference_graph_us": 4650.0,
            "torch_eager_us": 6100.0}
     text = format_bench_table({"spec": "x.yaml", "gpu": "NVIDIA H200", "date": "2026-11-30",
-                               "context": 1024, "rows": [row]})
+                               "context": 1024, "rows": [row],
+                               "floor_bandwidth": {"hbm_bytes_per_s": 4.3e12, "copy_bytes_per_s": 4.21e12,
+                                                   "source": "NVIDIA H200 lab measurement"}})
     assert "NVIDIA H200" in text
+    assert "floor: bytes / 4.30 TB/s (NVIDIA H200 lab measurement); this board copies at 4.21 TB/s" in text
     line = [l for l in text.splitlines() if l.split() and l.split()[0] == "8"]
     assert "2700.0" in line[0] and "1.047" in line[0]
     assert "1.9%" in line[1] and "3.1%" in line[1] and "1.72x" in line[1]

@@ -1,0 +1,83 @@
+"""What a build needs on the device, computed before anything is allocated, and the refusal
+of a build that cannot fit (graphc/plan.py: memory_layout, check_fits)."""
+
+import math
+
+import pytest
+
+from graphc.errors import GraphcError
+from graphc.graph import build_graph, weight_bytes, weight_shapes
+from graphc.plan import DEVICE_HEADROOM_BYTES, Plan, check_fits, memory_layout
+from graphc.schedule import build_schedule
+from graphc.spec import load_spec
+from graphc.weights import Weights
+
+
+def schedule_of(path):
+    return build_schedule(build_graph(load_spec(path)), None, True, batch=8)
+
+
+def test_layout_of_the_93_layer_model():
+    schedule = schedule_of("layer_specs/kimi_k3_dense.yaml")
+    layout = memory_layout(schedule, 16)
+    # K and V of 93 layers, 8 KV heads of 128, 4096 tokens, bf16, for 16 rows + the scratch slot.
+    assert layout.kv_cache_bytes == 17 * 93 * 2 * 8 * 4096 * 128 * 2
+    assert layout.weight_bytes == weight_bytes(schedule.graph)
+    assert layout.slots == 17
+    assert layout.total_bytes == (layout.weight_bytes + layout.kv_cache_bytes + layout.other_state_bytes
+                                  + layout.activation_bytes)
+    assert "KV cache 26.52 GB (17 slots: batch 16 + 1 for padding)" in layout.describe()
+
+
+def test_layout_is_what_the_plan_allocates():
+    schedule = schedule_of("layer_specs/tiny.yaml")
+    shapes = weight_shapes(schedule.graph)
+    plan = Plan(schedule, 5, Weights.random(shapes))
+    layout = memory_layout(schedule, 5)
+    assert plan.activation_bytes == layout.activation_bytes
+    # Buffers in one slab share one tensor; every other buffer has its own.
+    tensors = {}
+    for name, t in plan.storage.items():
+        tensors.setdefault(id(t), set()).add(name)
+    by_slab = {}
+    for name, i in layout.slab_of.items():
+        by_slab.setdefault(i, set()).add(name)
+    assert sorted(map(sorted, by_slab.values())) == sorted(
+        sorted(names) for names in tensors.values() if names & set(layout.slab_of))
+    assert sum(t.numel() * t.element_size() for name, t in plan.storage.items()
+               if name not in layout.slab_of) == layout.kv_cache_bytes + layout.other_state_bytes
+
+
+def test_a_build_that_fits_passes():
+    schedule = schedule_of("layer_specs/kimi_k3_dense.yaml")
+    layout = memory_layout(schedule, 8)
+    assert check_fits(schedule, 8, layout.total_bytes + DEVICE_HEADROOM_BYTES, "GPU") == layout
+    # Weights already on the device are not counted again.
+    check_fits(schedule, 8, layout.total_bytes - layout.weight_bytes + DEVICE_HEADROOM_BYTES, "GPU",
+               new_weight_bytes=0)
+
+
+def test_a_build_that_does_not_fit_is_refused_with_what_would():
+    schedule = schedule_of("layer_specs/kimi_k3_dense.yaml")
+    free = 150 * 10**9
+    transient = 4 * max(math.prod(s) for s in weight_shapes(schedule.graph).values())
+    with pytest.raises(GraphcError) as err:
+        check_fits(schedule, 64, free, "NVIDIA H200 (cuda:0)", transient_bytes=transient)
+    msg = str(err.value)
+    assert "kimi_k3_dense at batch sizes up to 64 needs 210.2 GB" in msg
+    assert "weights 103.00 GB, KV cache 101.42 GB (65 slots" in msg
+    assert "NVIDIA H200 (cuda:0) has 150.0 GB free" in msg
+    assert "model.max_context (4096) in layer_specs/kimi_k3_dense.yaml" in msg
+    fits = int(msg.split("Capture batch sizes up to ")[1].split(",")[0])
+
+    def need(b):
+        return memory_layout(schedule, b).total_bytes + transient + DEVICE_HEADROOM_BYTES
+
+    assert need(fits) <= free < need(fits + 1)
+    check_fits(schedule, fits, free, "GPU", transient_bytes=transient)
+
+
+def test_nothing_fits_on_a_small_device():
+    schedule = schedule_of("layer_specs/kimi_k3_dense.yaml")
+    with pytest.raises(GraphcError, match="No batch size fits"):
+        check_fits(schedule, 4, 80 * 10**9, "NVIDIA H100 80GB HBM3 (cuda:0)")
