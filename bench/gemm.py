@@ -14,8 +14,9 @@ holding every SM to its end); ``cublas`` is ``torch.mm`` in the same kind of gra
 silu_mul the GEMM alone; ``cublas+act`` adds the separate silu(gate) * up kernels the unfused
 path needs). Both ratios to cuBLAS are printed: PDL chaining hides 2-3 µs per call at 32-64
 rows (bench/gemm_notes.md §14).
-The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the nominal
-4.3 TB/s (the measured D2D copy bandwidth is reported beside it). ``variants`` times the legal
+The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the H200's
+4.3 TB/s (graphc/floor.py; this board's device-to-device copy, graphc/bench.py, is reported
+beside it). ``--power`` samples the board's power and SM clock while ours and cuBLAS run. ``variants`` times the legal
 alternatives to the default tuning (``bk``: K per stage 64/128; ``pf``: W iterations prefetched
 into L2 before the PDL wait), each checked against the reference first; they decide
 DEFAULT_BLOCK_K and DEFAULT_L2_PREFETCH. ``--tunings`` takes any knob of ``gemm.plan``: e.g.
@@ -46,9 +47,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # Same target string as the tests (conftest.py), so both share the on-disk compile cache.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+from graphc.bench import copy_bytes_per_s  # noqa: E402
+from graphc.floor import H200_HBM_BYTES_PER_S  # noqa: E402
 from graphc.kernels import gemm  # noqa: E402
+from graphc.power import measure_power, nvidia_smi_id  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12     # measured device-to-device copy bandwidth on H200 (KINDS.md)
+HBM_BYTES_PER_S = H200_HBM_BYTES_PER_S
 BF16_FLOPS = 790e12          # measured dense bf16 matrix rate on H200 (KINDS.md)
 
 BIG_SHAPES = [
@@ -64,15 +68,6 @@ TINY_SHAPES = [
     ("tiny.down", 2816, 1024, None),
     ("tiny.o_proj", 1024, 1024, None),
 ]
-
-
-def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes read + written per second by a device-to-device copy (graph, median of 20)."""
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    times = _time_graph(_capture(lambda: b.copy_(a)), replays=20)
-    return 2 * a.numel() * 2 / statistics.median(times)
 
 
 def _capture(fn) -> torch.cuda.CUDAGraph:
@@ -237,6 +232,13 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         "rounds_s": {label: ts for label, ts in passes.items() if not label.startswith("variant ")},
     }
     row["floor_s"] = max(row["floor_bytes_s"], row["floor_flops_s"])
+    if args.power:
+        # The board while each runs back to back: at 32-64 rows a GEMM can draw the 700 W
+        # limit and be clocked down (bench/gemm_notes.md §17), which no tiling undoes.
+        row["power"] = {}
+        for label in ("ours_pdl_s", "cublas_s"):
+            summary = measure_power(_capture(fns[label]).replay, nvidia_smi_id(torch.device("cuda")))
+            row["power"][label] = summary.as_dict() if summary else None
     row["config"] = repr(gemm.plan(m, k, n, epilogue, torch.cuda.get_device_properties(0).multi_processor_count))
     return row
 
@@ -254,6 +256,9 @@ def main() -> None:
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="time only the default configuration (not the other block_k / row_wgs)")
     ap.add_argument("--only", help="shape names to run, comma-separated (default: all of --shapes)")
+    ap.add_argument("--power", action="store_true",
+                    help="also sample board power and SM clock for 1.5 s of back-to-back replays of "
+                         "ours and cuBLAS per row (graphc/power.py)")
     ap.add_argument("--tunings", type=parse_tunings, default=None,
                     help='time these alternatives instead of the default variants, e.g. '
                          '"ctas=112;ctas=112,l2_prefetch=0"')
@@ -266,7 +271,7 @@ def main() -> None:
     if args.only:
         shapes = [s for s in shapes if s[0] in args.only.split(",")]
     ms = [int(v) for v in args.m.split(",")]
-    copy_bw = measure_copy_bandwidth()
+    copy_bw = copy_bytes_per_s()
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB; "
           f"D2D copy {copy_bw / 1e12:.2f} TB/s (floor uses {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
 
@@ -291,6 +296,11 @@ def main() -> None:
                   f"{r['rel_err']:>8.1e}  {var}"
                   + (f"  (cublas+act {r['cublas_act_s'] * 1e6:.2f} us)" if "cublas_act_s" in r else ""),
                   flush=True)
+            for label, p in r.get("power", {}).items():
+                if p:
+                    print(f"{'':<17}{label.removesuffix('_s')}: {p['power_w']:.0f} W, SM {p['sm_mhz']:.0f} MHz, "
+                          f"clock held by the power limit in {p['limited_share']:.0%} of {p['samples']} samples",
+                          flush=True)
 
     import cutlass
 

@@ -251,5 +251,8 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
 
         for b, s in schedules.items():
             progress(f"batch {b}: {s.describe()}")
-        graphs = capture_all(plan, schedules, progress)
+        from .kernels.compile_cache import reporting_compiles
+
+        with reporting_compiles(progress):      # kernels compile on first use, in the warm-up
+            graphs = capture_all(plan, schedules, progress)
     return DecodeStep(schedules, plan, graphs)

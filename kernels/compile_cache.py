@@ -27,14 +27,16 @@ Set ``GRAPHC_KERNEL_CACHE=0`` to switch the disk level off, ``GRAPHC_CACHE_DIR``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 DISK_ENV = "GRAPHC_KERNEL_CACHE"
 DIR_ENV = "GRAPHC_CACHE_DIR"
@@ -74,6 +76,27 @@ def _toolchain_fingerprint() -> str:
     except Exception:  # pragma: no cover - depends on the installed DSL
         libs = "unknown"
     return f"cutlass-dsl={version};arch={arch};libs={libs}"
+
+
+# Who hears about compiles (not cache hits): a first build on a new machine compiles dozens of
+# variants, seconds each, and should say so while it does (``reporting_compiles``).
+_listeners: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def reporting_compiles(progress: Callable[[str], None]) -> Iterator[None]:
+    """Within it, every kernel variant that has to be compiled (found in neither cache) is
+    announced through ``progress`` before and after, with its compile time."""
+    _listeners.append(progress)
+    try:
+        yield
+    finally:
+        _listeners.remove(progress)
+
+
+def _announce(message: str) -> None:
+    for listener in list(_listeners):
+        listener(message)
 
 
 class CompileCache:
@@ -138,8 +161,12 @@ class CompileCache:
             if fn is not None:
                 self.stats["disk_hits"] += 1
                 return fn
+        what = f"{self.name} {key}"
+        _announce(f"compiling {what} (cached on disk afterwards)" if use_disk else f"compiling {what}")
+        t0 = time.perf_counter()
         fn = self._build(*key)
         self.stats["compiles"] += 1
+        _announce(f"compiled {self.name} in {time.perf_counter() - t0:.1f} s")
         if use_disk:
             self._store(key, fn)
         return fn
