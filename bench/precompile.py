@@ -37,7 +37,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 H200_SMS = 132
 STEP_BATCH_SIZES = (1, 2, 3, 4, 5, 8, 16)  # step tests, `graphc bench`, `graphc build` at <= 16 rows
-ATTENTION_BATCH_SIZES = (4, 5, 8, 16, 24, 32, 64, 128)  # the TMA attention's default from 4 rows
+ATTENTION_BATCH_SIZES = (2, 3, 4, 5, 8, 16, 24, 32, 64, 128)  # the TMA attention's default from 2 rows
 
 
 def shipped_ops(op_type) -> list:

@@ -6,7 +6,7 @@ through a full edge (v7: its PDL wait made the step slower). Here the loads are 
 the math, and the cached K/V (written by earlier steps, never by this step's predecessors) are
 loaded *before* ``griddepcontrol.wait``, so under PDL the cache starts streaming during the qkv
 GEMM's tail. Alone it runs about as fast as the Triton kernel at 32-64 rows; inside the step it
-is 15-57 us faster from 4 rows up (graphc.ops.attention.TMA_MIN_BATCH).
+is 15-57 us faster from 4 rows up, 10-25 us at 2-3 rows (graphc.ops.attention.TMA_MIN_BATCH).
 
 Work and math
 -------------

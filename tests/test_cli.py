@@ -27,14 +27,17 @@ def test_build_writes_every_artifact_and_summary(tmp_path, capsys):
     # Small batches get the decode GEMM where CuTe DSL is installed (PDL edges into every
     # linear), large ones cuBLAS (full edges): one schedule per group of batch sizes.
     assert DECODE_GEMM_MAX_BATCH < 64
-    if LinearOp.implementations["cute"].available():
-        assert "batch 1, 3: 26 PDL edges; embedding torch, attn_res cute, linear cute" in out
     # From TMA_MIN_BATCH rows the CuTe DSL attention (where installed) is entered through a PDL edge too.
-    from graphc.ops.attention import DecodeAttentionOp
+    from graphc.ops.attention import TMA_MIN_BATCH, DecodeAttentionOp
 
+    assert 1 < TMA_MIN_BATCH <= 3
     if DecodeAttentionOp.implementations["tma"].available():
+        assert "batch 1: 26 PDL edges; embedding torch, attn_res cute, linear cute" in out
+        assert "batch 3: 28 PDL edges; embedding torch, attn_res cute, linear cute, decode_attention tma" in out
         assert "batch 64: 13 PDL edges; embedding torch, attn_res cute, linear cublas, decode_attention tma" in out
     else:
+        if LinearOp.implementations["cute"].available():
+            assert "batch 1, 3: 26 PDL edges; embedding torch, attn_res cute, linear cute" in out
         assert "batch 64: 9 PDL edges; embedding torch, attn_res cute, linear cublas" in out
     for b in (1, 3, 64):
         assert f"batch {b:4d}:" in out

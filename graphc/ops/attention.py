@@ -55,8 +55,12 @@ def _tma_available() -> bool:
 # From this captured batch size up the TMA kernel is the default. Measured in the 8-layer step,
 # A/B in one process against the Triton kernel (bench/decode_attention_notes.md v16): batch 4
 # 2712 us against 2737, 8 2680 / 2695, 16 2747 / 2781, 24 2871 / 2914, 32 2939 / 2996, 64 3342 /
-# 3362; at batch 1 2693 against 2686 (a tie; 2 and 3 not measured, so Triton stays there).
-TMA_MIN_BATCH = 4
+# 3362; at batch 1 2693 against 2686 (a tie). Batches 2 and 3, measured in session 16 (A/B in
+# one process, 4 rounds; bench/results/step_attention_triton_vs_tma_b1_3_*_session16.txt): the
+# 8-layer step 2622.7-2637.1 against 2632.0-2634.6 us at 2 rows, 2628.4-2640.1 against
+# 2651.6-2654.7 at 3; the 93-layer step 24745 against 24937-24980 at 2 rows. At 1 row Triton
+# stays ahead (2598.0-2602.9 against 2620.7-2625.8; 93 layers 24557-24618 against 24741-24747).
+TMA_MIN_BATCH = 2
 
 
 def tma_supports(heads: int, kv_heads: int, head_dim: int, max_context: int) -> bool:
