@@ -16,9 +16,10 @@ path needs). Both ratios to cuBLAS are printed: PDL chaining hides 2-3 µs per c
 rows (bench/gemm_notes.md §14).
 The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the H200's
 4.3 TB/s (graphc/floor.py; this board's device-to-device copy, graphc/bench.py, is reported
-beside it). ``--power`` samples the board's power and SM clock while ours and cuBLAS run. ``variants`` times the legal
-alternatives to the default tuning (``bk``: K per stage 64/128; ``pf``: W iterations prefetched
-into L2 before the PDL wait), each checked against the reference first; they decide
+beside it). ``--power`` samples the board's power and SM clock while ours and cuBLAS run.
+``variants`` times the legal alternatives to the default tuning (``bk``: K per stage 64/128;
+``pf``: W iterations prefetched into L2 before the PDL wait), each checked against the
+reference first; they decide
 DEFAULT_BLOCK_K and DEFAULT_L2_PREFETCH. ``--tunings`` takes any knob of ``gemm.plan``: e.g.
 ``"wide=0;wide=1,cluster=1"`` times the stream-K kernel and the whole-K tiles without W
 multicast beside the default (kernels/gemm_wide.py, bench/gemm_notes.md §21); ``--no-variants``
