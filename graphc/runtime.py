@@ -24,7 +24,7 @@ from .plan import Plan, check_fits
 from .reference import run_kernels
 from .schedule import Schedule, build_schedule
 from .spec import Spec, load_spec
-from .weights import Weights
+from .weights import Weights, read_weights
 
 
 def _log(msg: str) -> None:
@@ -144,10 +144,12 @@ class DecodeStep:
     def load_weights(self, path: str | os.PathLike) -> None:
         """Reload weights in place: the captured graphs read the same memory, so the next
         replay uses the new values and no graph is stale. (A spec change needs a new build.)"""
-        new = Weights.load(path, weight_shapes(self.schedule.graph), self.device)
+        # One tensor at a time, all of them checked first (read_weights): a second copy of
+        # every weight would not fit beside the first for the largest models.
         with torch.no_grad():
-            for name, t in new.tensors.items():
+            for name, t in read_weights(path, weight_shapes(self.schedule.graph), self.device):
                 self.plan.weights.tensors[name].copy_(t)
+                del t
 
     # --- reports ----------------------------------------------------------------------------
     def padding(self) -> dict[int, dict]:

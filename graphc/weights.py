@@ -11,7 +11,7 @@ import math
 import re
 import zlib
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 
@@ -42,32 +42,47 @@ class Weights:
     @classmethod
     def load(cls, path: str | Path, shapes: Mapping[str, tuple[int, ...]],
              device: str | torch.device = "cpu") -> "Weights":
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise GraphcError(f"{path}: no such weights file")
-        tensors = {}
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            names = set(f.keys())
-            missing = sorted(set(shapes) - names)
-            extra = sorted(names - set(shapes))
-            if missing or extra:
-                raise GraphcError(
-                    f"{path}: weight names do not match the spec: missing {_few(missing)}; "
-                    f"unexpected {_few(extra)} (graphc build SPEC --write-weight-names FILE lists them)")
-            for name, shape in shapes.items():
-                t = f.get_tensor(name)
-                if tuple(t.shape) != tuple(shape) or t.dtype != torch.bfloat16:
-                    raise GraphcError(f"{path}: {name}: expected bfloat16 {list(shape)}, "
-                                      f"found {str(t.dtype).removeprefix('torch.')} {list(t.shape)}")
-                tensors[name] = t.contiguous()
-        return cls(tensors, str(path))
+        return cls(dict(read_weights(path, shapes, device)), str(path))
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous().cpu() for k, v in self.tensors.items()}, str(path))
+
+
+# safetensors' dtype names -> torch's, for error messages.
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+                       "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64",
+                       "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]],
+                 device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of a safetensors file, one tensor at a time on ``device``, after checking
+    every name, dtype and shape against ``shapes`` from the file's header: a bad file is
+    refused before any tensor is read, and a caller that copies each tensor into place (a
+    reload) never holds more than one extra tensor (the 93-layer model's weights are 103 GB)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise GraphcError(f"{path}: no such weights file")
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        names = set(f.keys())
+        missing = sorted(set(shapes) - names)
+        extra = sorted(names - set(shapes))
+        if missing or extra:
+            raise GraphcError(
+                f"{path}: weight names do not match the spec: missing {_few(missing)}; "
+                f"unexpected {_few(extra)} (graphc build SPEC --write-weight-names FILE lists them)")
+        for name, shape in shapes.items():
+            header = f.get_slice(name)
+            dtype, found = header.get_dtype(), list(header.get_shape())
+            if found != list(shape) or dtype != "BF16":
+                raise GraphcError(f"{path}: {name}: expected bfloat16 {list(shape)}, "
+                                  f"found {_SAFETENSORS_DTYPES.get(dtype, dtype)} {found}")
+        for name in shapes:
+            yield name, f.get_tensor(name).contiguous()
 
 
 def _few(names: list[str]) -> str:

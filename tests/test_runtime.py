@@ -96,6 +96,26 @@ def test_weight_reload_is_seen_by_the_next_step(tmp_path, step):
     assert torch.equal(fresh(tokens, lens), after)
 
 
+def test_weight_reload_with_a_bad_tensor_changes_nothing(tmp_path, step):
+    """Every name, dtype and shape is checked before the first weight is replaced (the reload
+    then copies one tensor at a time), so a bad file leaves the step exactly as it was."""
+    from graphc.graph import weight_shapes
+    from graphc.weights import Weights
+
+    tokens, lens = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.int32)
+    before = step(tokens, lens).clone()
+    shapes = weight_shapes(step.schedule.graph)
+    bad = Weights.random(shapes, seed=9).tensors
+    last = list(shapes)[-1]
+    bad[last] = bad[last].float()                 # the last weight in the wrong dtype
+    from safetensors.torch import save_file
+
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(GraphcError, match=f"{last}: expected bfloat16 .*, found float32"):
+        step.load_weights(tmp_path / "bad.safetensors")
+    assert torch.equal(step(tokens, lens), before)
+
+
 def test_weight_file_with_wrong_names_is_refused(tmp_path):
     from safetensors.torch import save_file
 

@@ -152,6 +152,25 @@ def test_tiny_step_and_profile(tmp_path):
     write_schedule_html(step.schedule, tmp_path / "t.html", profile=prof)
 
 
+def test_weight_reload_reaches_the_captured_graphs(tmp_path):
+    """load_weights streams a file into the weights the graphs read, one tensor at a time: the
+    replayed step then gives exactly what a fresh build from the same file gives."""
+    from graphc.graph import weight_shapes
+    from graphc.weights import Weights
+
+    step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[4], progress=None)
+    tokens = torch.tensor([4, 5, 6]).cuda()
+    lens = torch.zeros(3, dtype=torch.int32).cuda()
+    before = step(tokens, lens).clone()
+    Weights.random(weight_shapes(step.schedule.graph), seed=7).save(tmp_path / "w.safetensors")
+    step.load_weights(tmp_path / "w.safetensors")
+    after = step(tokens, lens).clone()
+    assert not torch.equal(before, after)
+    fresh = graphc.build("layer_specs/tiny.yaml", batch_sizes=[4], weights=tmp_path / "w.safetensors",
+                         progress=None)
+    assert torch.equal(fresh(tokens, lens), after)
+
+
 def test_bench_step_reports_board_power(step8l):
     """graphc bench's power columns on a real board: samples from nvidia-smi for the device the
     step runs on, within what the board reports as its limit and clock range."""
