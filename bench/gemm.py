@@ -53,7 +53,6 @@ from graphc.floor import H200_HBM_BYTES_PER_S  # noqa: E402
 from graphc.kernels import gemm  # noqa: E402
 from graphc.power import measure_power, nvidia_smi_id  # noqa: E402
 
-HBM_BYTES_PER_S = H200_HBM_BYTES_PER_S
 BF16_FLOPS = 790e12          # measured dense bf16 matrix rate on H200 (KINDS.md)
 
 BIG_SHAPES = [
@@ -115,13 +114,12 @@ def _time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
     return times
 
 
-def time_interleaved(fns: dict, replays: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per replay of each of ``fns`` (label -> work to capture): one graph each,
-    timed in ``rounds`` round-robin passes (a median of ``replays`` per pass), so that every
+def time_interleaved(graphs: dict, replays: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per replay of each of ``graphs`` (label -> captured graph), timed in ``rounds``
+    round-robin passes (a median of ``replays`` per pass), so that every
     configuration sees the board in every state the row goes through. Configurations timed
     one after another differed by up to 10-20% from their place in the row alone on a
     power-capped board (bench/gemm_notes.md §22); the median over rounds is what to compare."""
-    graphs = {label: _capture(fn) for label, fn in fns.items()}
     passes = {label: [] for label in graphs}
     for _ in range(rounds):
         for label, graph in graphs.items():
@@ -218,13 +216,14 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
             fns[f"variant {label}"] = ours(True, tuning)
     if epilogue == "silu_mul":
         fns["cublas_act_s"] = cublas(True)
-    passes = {label: [t / chain for t in ts] for label, ts in time_interleaved(fns, args.replays, args.rounds).items()}
+    graphs = {label: _capture(fn) for label, fn in fns.items()}
+    passes = {label: [t / chain for t in ts] for label, ts in time_interleaved(graphs, args.replays, args.rounds).items()}
     per_call = {label: statistics.median(ts) for label, ts in passes.items()}
 
     row = {
         "name": name, "m": m, "k": k, "n": n, "epilogue": epilogue, "weight_bytes": w_bytes,
         "weight_copies": copies, "chain": chain, "rel_err": err,
-        "floor_bytes_s": w_bytes / HBM_BYTES_PER_S,
+        "floor_bytes_s": w_bytes / H200_HBM_BYTES_PER_S,
         "floor_flops_s": 2 * m * n * k / BF16_FLOPS,
         **{label: t for label, t in per_call.items() if not label.startswith("variant ")},
         "variants": {label: {"tuning": tuning, "pdl_s": per_call[f"variant {label}"], "rel_err": var_err,
@@ -238,7 +237,7 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         # limit and be clocked down (bench/gemm_notes.md §17), which no tiling undoes.
         row["power"] = {}
         for label in ("ours_pdl_s", "cublas_s"):
-            summary = measure_power(_capture(fns[label]).replay, nvidia_smi_id(torch.device("cuda")))
+            summary = measure_power(graphs[label].replay, nvidia_smi_id(torch.device("cuda")))
             row["power"][label] = summary.as_dict() if summary else None
     row["config"] = repr(gemm.plan(m, k, n, epilogue, torch.cuda.get_device_properties(0).multi_processor_count))
     return row
@@ -274,7 +273,7 @@ def main() -> None:
     ms = [int(v) for v in args.m.split(",")]
     copy_bw = copy_bytes_per_s()
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB; "
-          f"D2D copy {copy_bw / 1e12:.2f} TB/s (floor uses {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
+          f"D2D copy {copy_bw / 1e12:.2f} TB/s (floor uses {H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
 
     rows = []
     hdr = (f"{'shape':<13}{'M':>4} {'floor us':>9} {'pdl us':>8} {'%floor':>7} {'nopdl us':>9} "
@@ -312,7 +311,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cutlass_dsl": getattr(cutlass, "__version__", "unknown"),
         "host": platform.node(),
-        "hbm_bytes_per_s_nominal": HBM_BYTES_PER_S,
+        "hbm_bytes_per_s_nominal": H200_HBM_BYTES_PER_S,
         "d2d_copy_bytes_per_s_measured": copy_bw,
         "bf16_flops_nominal": BF16_FLOPS,
         "method": "CUDA graph of a chain of calls cycling weight copies > 4x L2; median of replays / chain",

@@ -9,7 +9,6 @@ the same API runs the reference executor instead of graphs (for tests and small 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ from .plan import Plan, check_fits
 from .reference import run_kernels
 from .schedule import Schedule, build_schedule
 from .spec import Spec, load_spec
-from .weights import Weights, read_weights
+from .weights import Weights, random_init_temporary_bytes, read_weights
 
 
 def _log(msg: str) -> None:
@@ -239,7 +238,7 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
         free, _ = torch.cuda.mem_get_info(dev)
         check_fits(schedules[sizes[-1]], sizes[-1], free, f"{torch.cuda.get_device_name(dev)} ({dev})",
                    new_weight_bytes=0 if isinstance(weights, Weights) else None,
-                   transient_bytes=4 * max(math.prod(s) for s in shapes.values()) if weights is None else 0)
+                   transient_bytes=random_init_temporary_bytes(shapes) if weights is None else 0)
     t0 = time.perf_counter()
     if weights is None:
         weights = Weights.random(shapes, seed=seed, device=dev)

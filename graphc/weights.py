@@ -97,6 +97,12 @@ _LAYER = re.compile(r"L\d+\.")
 _RESIDUAL_BRANCH_OUTPUTS = (".attn.o_proj.weight", ".mlp.down.weight")
 
 
+def random_init_temporary_bytes(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The peak of temporaries while ``Weights.random`` creates these weights: one fp32 draw
+    of the largest (``_random_weight`` works in place on it)."""
+    return 4 * max(math.prod(shape) for shape in shapes.values())
+
+
 def _random_weight(name: str, shape: tuple[int, ...], seed: int, device: torch.device, layers: int = 1):
     """Sized so activations stay O(1) through every layer and one bf16 rounding difference stays
     small at the logits (bench/perturbation.py measures it; bench/step_notes.md):

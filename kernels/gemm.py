@@ -95,8 +95,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import gemm_wide, smem_pipeline
 from .compile_cache import CompileCache
-from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, peers_done, pipeline_stages,
-                            release_stage, tma_load, tma_load_op)
+from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, on_off_knob, peers_done,
+                            pipeline_stages, release_stage, tma_load, tma_load_op)
 
 # PDL traits of this op, read by the scheduler (DESIGN §4).
 PROLOGUE_INPUTS = ("weight",)
@@ -276,12 +276,8 @@ class GemmConfig:
         self.y_places = self._y_places()
         y_drained_fits = self.wgs * self.out_halves * self.mma_n * HALF_ROWS * 2 <= self.stages * self.stage_bytes
         stageable = self.y_places is not None or y_drained_fits
-        if y_staging is None:
-            y_staging = int(stageable and self.mma_n >= Y_STAGING_MIN_MMA_N)
-        if y_staging not in (0, 1) or (y_staging and not stageable):
-            raise ValueError(f"y_staging={y_staging} unsupported here (0, or 1 when the output tile "
-                             f"fits in shared memory)")
-        self.y_staging = int(y_staging)
+        self.y_staging = on_off_knob("y_staging", y_staging, stageable and self.mma_n >= Y_STAGING_MIN_MMA_N,
+                                     stageable, "when the output tile fits in shared memory")
         self.y_held = bool(self.y_staging and self.y_places is not None)   # in the held stage
         # Split-tile protocol (reduce_split_tile). Arrive first: a contributor learns from the
         # arrival counter whether it is last before it publishes, so the last one never writes
@@ -328,12 +324,9 @@ class GemmConfig:
         # cluster slices, one swizzle atom of K per row.
         trimmable = self.col_wgs == 1 and self.cluster == 1 and self.block_k == K_ALIGN \
             and self.mma_n >= 32 and _round_up(self.m, 8) < self.mma_n
-        if x_trim is None:
-            x_trim = int(trimmable)
-        if x_trim not in (0, 1) or (x_trim and not trimmable):
-            raise ValueError(f"x_trim={x_trim} unsupported here (0, or 1 when M = {self.m} is 1-8 rows past a "
-                             f"multiple of 16 above 16, with one batch warpgroup, cluster=1, block_k={K_ALIGN})")
-        self.x_trim = int(x_trim)
+        self.x_trim = on_off_knob("x_trim", x_trim, trimmable, trimmable,
+                                  f"when M = {self.m} is 1-8 rows past a multiple of 16 above 16, with one "
+                                  f"batch warpgroup, cluster=1, block_k={K_ALIGN}")
         # (rows, first row) of each x box of a batch warpgroup's buffer.
         self.x_boxes = ((self.mma_n - 16, 0), (8, self.mma_n - 16)) if self.x_trim else ((self.mma_n, 0),)
         # What TMA delivers per stage (the stage barrier's transaction count).

@@ -63,8 +63,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import smem_pipeline
 from .compile_cache import CompileCache
-from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, peers_done, pipeline_stages,
-                            release_stage, tma_load, tma_load_op)
+from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, on_off_knob, peers_done,
+                            pipeline_stages, release_stage, tma_load, tma_load_op)
 
 # PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
 PROLOGUE_INPUTS = ("weight",)
@@ -172,12 +172,8 @@ class WideGemmConfig:
         # boxes: CuTe DSL 4.8.1 aborts building a TMA box of an odd number of 8-row swizzle
         # atoms, which is also why not with x shared in pairs (half a box per CTA).
         trimmable = _ceil_div(self.m, N_TILE_STEP) * N_TILE_STEP < WG_ROWS and self.x_multicast == 1
-        if x_trim is None:
-            x_trim = int(trimmable)
-        if x_trim not in (0, 1) or (x_trim and not trimmable):
-            raise ValueError(f"x_trim={x_trim} unsupported here (0, or 1 below 48 rows ({self.m}) without "
-                             f"x shared in pairs)")
-        self.x_trim = int(x_trim)
+        self.x_trim = on_off_knob("x_trim", x_trim, trimmable, trimmable,
+                                  f"below 48 rows ({self.m}) without x shared in pairs")
         self.x_box_rows = _ceil_div(self.m, N_TILE_STEP) * N_TILE_STEP if self.x_trim else WG_ROWS
         self.w_stage_bytes = self.n_tile * BLOCK_K * 2
         # Shared memory per stage (64-row x buffers), and what TMA delivers into it.

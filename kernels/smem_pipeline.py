@@ -1,5 +1,5 @@
 """The shared-memory pipeline of the two decode GEMMs (kernels/gemm.py, kernels/gemm_wide.py):
-how deep a TMA -> wgmma pipeline may be, the L2 hint of their weight stream, how a box is
+how deep a TMA -> wgmma pipeline may be, what a 0/1 knob of a stage's contents may be, the L2 hint of their weight stream, how a box is
 loaded into one CTA's stage or multicast into a cluster's (or into the first rows of a
 buffer), and how the CTAs of a cluster agree that their stage barriers exist (and outlive
 every peer's use) and free a stage."""
@@ -28,6 +28,16 @@ def pipeline_stages(stages: int | None, stage_bytes: int) -> int:
         raise ValueError(f"stages={stages} unsupported: 2..{MAX_STAGES} stages of "
                          f"{stage_bytes} bytes within {SMEM_MAX} bytes of shared memory")
     return int(stages)
+
+
+def on_off_knob(name: str, value: int | None, default: bool, allowed: bool, where: str) -> int:
+    """A 0/1 tuning knob (``x_trim``, ``y_staging``): ``default`` when not given; 1 only where
+    ``allowed`` (``where`` says where, for the error)."""
+    if value is None:
+        value = int(default)
+    if value not in (0, 1) or (value and not allowed):
+        raise ValueError(f"{name}={value} unsupported here (0, or 1 {where})")
+    return int(value)
 
 
 @cute.jit

@@ -1,8 +1,6 @@
 """What a build needs on the device, computed before anything is allocated, and the refusal
 of a build that cannot fit (graphc/plan.py: memory_layout, check_fits)."""
 
-import math
-
 import pytest
 
 from graphc.errors import GraphcError
@@ -10,7 +8,7 @@ from graphc.graph import build_graph, weight_bytes, weight_shapes
 from graphc.plan import DEVICE_HEADROOM_BYTES, Plan, check_fits, memory_layout
 from graphc.schedule import build_schedule
 from graphc.spec import load_spec
-from graphc.weights import Weights
+from graphc.weights import Weights, random_init_temporary_bytes
 
 
 def schedule_of(path):
@@ -60,7 +58,8 @@ def test_a_build_that_fits_passes():
 def test_a_build_that_does_not_fit_is_refused_with_what_would():
     schedule = schedule_of("layer_specs/kimi_k3_dense.yaml")
     free = 150 * 10**9
-    transient = 4 * max(math.prod(s) for s in weight_shapes(schedule.graph).values())
+    transient = random_init_temporary_bytes(weight_shapes(schedule.graph))
+    assert transient == 4 * 163840 * 7168          # the lm_head's (and embedding's) fp32 draw
     with pytest.raises(GraphcError) as err:
         check_fits(schedule, 64, free, "NVIDIA H200 (cuda:0)", transient_bytes=transient)
     msg = str(err.value)
