@@ -143,10 +143,11 @@ class DecodeStep:
     def load_weights(self, path: str | os.PathLike) -> None:
         """Reload weights in place: the captured graphs read the same memory, so the next
         replay uses the new values and no graph is stale. (A spec change needs a new build.)"""
-        # One tensor at a time, all of them checked first (read_weights): a second copy of
-        # every weight would not fit beside the first for the largest models.
+        # All of them checked first (read_weights), then one tensor at a time, read on the
+        # host and copied straight into place: no GPU memory beyond the weights themselves
+        # (a second copy of every weight, or even of the 2.35 GB lm_head, need not fit).
         with torch.no_grad():
-            for name, t in read_weights(path, weight_shapes(self.schedule.graph), self.device):
+            for name, t in read_weights(path, weight_shapes(self.schedule.graph), "cpu"):
                 self.plan.weights.tensors[name].copy_(t)
                 del t
 

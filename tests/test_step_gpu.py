@@ -171,6 +171,36 @@ def test_weight_reload_reaches_the_captured_graphs(tmp_path):
     assert torch.equal(fresh(tokens, lens), after)
 
 
+def test_weight_reload_needs_no_free_gpu_memory(tmp_path):
+    """A reload on a GPU with less free memory than its largest weight: it reads on the host
+    and copies into place, so it succeeds and gives what a fresh build from the file gives."""
+    from graphc.graph import weight_shapes
+    from graphc.weights import Weights
+
+    step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[4], progress=None)
+    tokens = torch.tensor([4, 5, 6]).cuda()
+    lens = torch.zeros(3, dtype=torch.int32).cuda()
+    step(tokens, lens)
+    shapes = weight_shapes(step.schedule.graph)
+    Weights.random(shapes, seed=11).save(tmp_path / "w.safetensors")
+    largest = max(step.plan.weights[n].numel() * 2 for n in shapes)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    left = 6 << 20
+    assert largest > left, largest
+    blocker = torch.empty(free - left, dtype=torch.uint8, device="cuda")
+    try:
+        assert torch.cuda.mem_get_info()[0] < largest
+        step.load_weights(tmp_path / "w.safetensors")
+        after = step(tokens, lens).clone()
+    finally:
+        del blocker
+        torch.cuda.empty_cache()
+    fresh = graphc.build("layer_specs/tiny.yaml", batch_sizes=[4], weights=tmp_path / "w.safetensors",
+                         progress=None)
+    assert torch.equal(fresh(tokens, lens), after)
+
+
 def test_bench_step_reports_board_power(step8l):
     """graphc bench's power columns on a real board: samples from nvidia-smi for the device the
     step runs on, within what the board reports as its limit and clock range."""
