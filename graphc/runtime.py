@@ -21,7 +21,7 @@ from .errors import GraphcError
 from .graph import build_graph, weight_shapes
 from .plan import Plan, check_fits
 from .reference import run_kernels
-from .schedule import Schedule, build_schedule
+from .schedule import Schedule, build_schedule, implementations_for_gpu
 from .spec import Spec, load_spec
 from .weights import Weights, random_init_temporary_bytes, read_weights
 
@@ -232,6 +232,14 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
         dev = torch.device("cuda", torch.cuda.current_device())   # tensors report cuda:N
     graph = build_graph(spec)
     chosen = implementations if dev.type == "cuda" else None
+    if dev.type == "cuda":
+        capability = torch.cuda.get_device_capability(dev)
+        gpu = f"{torch.cuda.get_device_name(dev)} ({dev})"
+        chosen, substituted = implementations_for_gpu(graph, capability, gpu, chosen, tuple(sizes))
+        if substituted:
+            progress(f"{gpu} is sm_{capability[0]}{capability[1]}; graphc's Hopper kernels need "
+                     f"sm_90a (H100/H200), so this build runs portable ones: "
+                     + "; ".join(substituted))
     schedules = {b: build_schedule(graph, chosen, use_pdl, batch=b) for b in sizes}
     shapes = weight_shapes(graph)
     if dev.type == "cuda":

@@ -172,6 +172,45 @@ def verify(schedule: Schedule) -> list[Refusal]:
     return refusals
 
 
+# --- choosing implementations for a GPU --------------------------------------------------------
+
+def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu: str,
+                            implementations: Mapping[str, str] | None = None,
+                            batches: tuple[int | None, ...] = (None,)) -> tuple[dict[str, str], list[str]]:
+    """The implementation choices to build with on a GPU of compute ``capability`` (named
+    ``gpu`` in messages), and what was substituted, in words.
+
+    The caller's choices stand; a choice this GPU cannot run is refused, naming the node and
+    what it needs. Every op kind whose default at one of ``batches`` cannot run here (graphc's
+    CuTe DSL kernels are sm_90a code: H100/H200) gets the first of its implementations that
+    can, for all batch sizes: correct everywhere, without the Hopper kernels' speed."""
+    chosen = dict(implementations or {})
+    cc = f"sm_{capability[0]}{capability[1]}"
+    substituted: dict[str, str] = {}
+    notes = []
+    for op in ops_in_order(graph):
+        explicit = chosen.get(op.name) or chosen.get(op.kind)
+        if explicit is not None:
+            impl = op.implementations.get(explicit)
+            if impl is not None and not impl.runs_on(capability):
+                raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} needs "
+                                  f"{impl.arch} (H100/H200); {gpu} is {cc}. Choose one of "
+                                  f"{', '.join(n for n, i in op.implementations.items() if i.runs_on(capability))}")
+            continue
+        if op.kind in substituted:
+            continue
+        defaults = {op.default_implementation(b) for b in batches}
+        blocked = sorted(d for d in defaults if not op.implementations[d].runs_on(capability))
+        if not blocked:
+            continue
+        portable = next(n for n, i in op.implementations.items()
+                        if i.runs_on(capability) and i.available())
+        substituted[op.kind] = portable
+        notes.append(f"{op.kind}: {portable} instead of "
+                     + ", ".join(f"{d} ({op.implementations[d].arch})" for d in blocked))
+    return {**substituted, **chosen}, notes
+
+
 # --- choosing edges -----------------------------------------------------------------------------
 
 def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None = None,

@@ -156,3 +156,30 @@ def test_padding_waste_is_reported_per_size():
     pad = step.padding()
     assert pad[4] == {"calls": 3, "rows": 9, "padded_rows": 3, "waste": 0.25}
     assert pad[1] == {"calls": 1, "rows": 1, "padded_rows": 0, "waste": 0.0}
+
+
+def test_a_build_on_a_gpu_other_than_hopper_says_what_it_runs_instead(monkeypatch):
+    """On an sm_80 GPU (faked: this test never touches one) graphc.build names the portable
+    implementations it substitutes, before it asks for memory or creates a weight."""
+    class Stop(Exception):
+        pass
+
+    def no_memory_query(*_):
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_memory_query)
+    said = []
+    with pytest.raises(Stop):
+        graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 8], device="cuda", progress=said.append)
+    assert len(said) == 1, said
+    assert said[0].startswith("NVIDIA A100-SXM4-80GB (cuda:0) is sm_80; graphc's Hopper kernels need "
+                              "sm_90a (H100/H200), so this build runs portable ones: ")
+    assert "linear: cublas instead of cute (sm_90a)" in said[0]
+    assert "attn_res: torch instead of cute (sm_90a)" in said[0]
+    with pytest.raises(GraphcError, match="needs sm_90a"):
+        graphc.build("layer_specs/tiny.yaml", device="cuda", implementations={"attn_res": "cute"},
+                      progress=None)

@@ -205,3 +205,46 @@ def test_attention_default_follows_the_batch_size(tiny):
     large = build_schedule(tiny, GEMM, batch=TMA_MIN_BATCH).kernel("L01.attn.attention")
     assert small.impl != "tma"
     assert large.impl == ("tma" if importlib.util.find_spec("cutlass") else small.impl)
+
+
+# --- implementations a GPU can run ------------------------------------------------------------
+
+def _schedules_for(graph, capability, implementations=None, batches=(1, 2, 64)):
+    from graphc.schedule import implementations_for_gpu
+
+    chosen, notes = implementations_for_gpu(graph, capability, "GPU X (cuda:0)", implementations, batches)
+    return chosen, notes, [build_schedule(graph, chosen, batch=b) for b in batches]
+
+
+def test_a_hopper_gpu_keeps_every_default():
+    graph = build_graph(load_spec("layer_specs/kimi_k3_dense_8l.yaml"))
+    chosen, notes, _ = _schedules_for(graph, (9, 0))
+    assert chosen == {} and notes == []
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0)])
+def test_other_gpus_get_implementations_they_can_run(capability):
+    """graphc's CuTe DSL kernels are sm_90a code: elsewhere every op kind gets one that runs
+    there, for every batch size, and the substitutions are named."""
+    graph = build_graph(load_spec("layer_specs/kimi_k3_dense_8l.yaml"))
+    chosen, notes, schedules = _schedules_for(graph, capability)
+    for s in schedules:
+        assert verify(s) == []
+        for k in s.kernels:
+            assert k.op.implementations[k.impl].runs_on(capability), (k.node, k.impl)
+    assert chosen["linear"] == "cublas" and chosen["attn_res"] == "torch"
+    assert any(n.startswith("linear: cublas instead of cute (sm_90a)") for n in notes), notes
+    # What each kind lost is named once, whatever the batch sizes.
+    assert len(notes) == len({n.split(":")[0] for n in notes})
+
+
+def test_a_choice_the_gpu_cannot_run_is_refused_by_name():
+    from graphc.errors import GraphcError
+
+    graph = build_graph(load_spec("layer_specs/tiny.yaml"))
+    with pytest.raises(GraphcError, match=r"L00\.attn\.qkv: implementation 'cute' of linear needs "
+                                          r"sm_90a \(H100/H200\); GPU X \(cuda:0\) is sm_80\. Choose one of cublas"):
+        _schedules_for(graph, (8, 0), {"linear": "cute"})
+    # A choice that runs there stands, and the other kinds still get portable ones.
+    chosen, notes, _ = _schedules_for(graph, (8, 0), {"L00.attn.qkv": "cublas"})
+    assert chosen["L00.attn.qkv"] == "cublas" and chosen["attn_res"] == "torch"

@@ -79,10 +79,11 @@ class DecodeAttentionOp(Op):
     kind = "decode_attention"
     implementations = {
         # Split-KV Triton kernel: reads only the cached tokens (the torch path reads max_context).
-        "triton": Implementation("triton", TRITON_TRAITS, _launch_triton, available=_triton_available),
+        "triton": Implementation("triton", TRITON_TRAITS, _launch_triton, available=_triton_available,
+                                 arch="sm_90"),
         "torch": Implementation("torch", LIBRARY_KERNEL, _launch_reference),
         # TMA producer warp + wgmma warpgroup (CuTe DSL); contiguous head-major cache.
-        "tma": Implementation("tma", TMA_TRAITS, _launch_tma, available=_tma_available),
+        "tma": Implementation("tma", TMA_TRAITS, _launch_tma, available=_tma_available, arch="sm_90a"),
     }
 
     heads: int = 0

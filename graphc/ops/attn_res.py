@@ -58,7 +58,7 @@ class AttnResOp(Op):
     kind = "attn_res"
     implementations = {
         "cute": Implementation("cute", CLUSTER_KERNEL_TRAITS, _launch_cluster_kernel,
-                               available=_cute_available),
+                               available=_cute_available, arch="sm_90a"),
         "torch": Implementation("torch", PdlTraits(waits=False, trigger="exit"), _launch_torch),
     }
 

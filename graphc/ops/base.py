@@ -90,6 +90,15 @@ class Implementation:
     traits: PdlTraits
     launch: Callable
     available: Callable[[], bool] = lambda: True
+    # The GPUs its code runs on: None (any CUDA GPU), "sm_90" (compute capability 9.0 or later:
+    # it executes griddepcontrol) or "sm_90a" (9.0 only: CuTe DSL kernels compiled for sm_90a,
+    # whose wgmma and cluster instructions no other architecture has).
+    arch: str | None = None
+
+    def runs_on(self, capability: tuple[int, int]) -> bool:
+        if self.arch is None:
+            return True
+        return tuple(capability) >= (9, 0) if self.arch == "sm_90" else tuple(capability) == (9, 0)
 
 
 @dataclass(eq=False)

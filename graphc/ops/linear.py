@@ -107,7 +107,7 @@ class LinearOp(Op):
     implementations = {
         "cublas": Implementation("cublas", LIBRARY_KERNEL, _launch_cublas),
         "cute": Implementation("cute", _decode_gemm_traits(), _launch_decode_gemm,
-                               available=_decode_gemm_available),
+                               available=_decode_gemm_available, arch="sm_90a"),
     }
 
     k: int = 0
