@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemm import parse_tunings  # noqa: E402  (bench/gemm.py)
 
 D, NB, LINKS, EPS = 7168, 4, 24, 1e-6
-DEFAULT_TUNINGS = "l2_prefetch=0;l2_prefetch=16"
+DEFAULT_TUNINGS = "l2_prefetch=8;l2_prefetch=16"
 
 
 def capture_graph(fn):

@@ -8,7 +8,7 @@ two GEMMs: its wait release, its post phase, the next GEMM's release, late GEMM 
 
 The GEMM is bench/gemm_timeline.py's instrumented kernel. Its timer words are shared by every
 launch of one configuration, so the chain's links alternate between two configurations that
-differ only in a negligible knob (``l2_prefetch`` 8 / 7; 6 for the last link), and the pair read
+differ only in a negligible knob (``l2_prefetch`` 0, the default, / 1; 2 for the last link), and the pair read
 back is links 21 -> 22 of 24, with a link after them as in a step. AttnRes is
 ``kernels/attn_res.py`` with ``%globaltimer`` stamps inserted at fixed anchors (written to
 ``kernels/_attn_res_timeline.py``, git-ignored): entry, pre phase done, wait passed, delta and
@@ -81,7 +81,7 @@ def attn_res_module():
 
 def l2_prefetch_of(link: int) -> int:
     """Each link's GEMM configuration: alternating, the last one apart (see the docstring)."""
-    return 6 if link == LINKS - 1 else (8 if link % 2 == 0 else 7)
+    return 2 if link == LINKS - 1 else (0 if link % 2 == 0 else 1)
 
 
 def _rel(words, t0):

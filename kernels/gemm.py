@@ -66,9 +66,9 @@ PDL (DESIGN §4)
   in its own ``griddepcontrol.wait``, and the next kernel (AttnRes, whose pre-phase reads only
   data complete at launch) overlaps our tail instead of starting after it.
 * Before the wait the producer issues the W loads of the first ``stages`` pipeline stages
-  (``PROLOGUE_INPUTS = ("weight",)``) and an L2 prefetch of the next ``l2_prefetch``
-  iterations' W; the stage barrier already expects the x bytes too, so no consumer can start
-  early.
+  (``PROLOGUE_INPUTS = ("weight",)``), and with the ``l2_prefetch`` knob (0 by default) an L2
+  prefetch of the next iterations' W; the stage barrier already expects the x bytes too, so
+  no consumer can start early.
 * Every thread executes ``griddepcontrol.wait`` (``WAITS = True``): the producer right before
   its first x load, the consumers before any global access (workspace, counters, y).
 * The workspace and counters are touched only after the wait, so kernels that share them in
@@ -119,7 +119,11 @@ HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these 
 UNIT_PER_CTA_ROWS = (65, 256)   # plain shapes: one whole-K 64-row unit per CTA at these M ...
 UNIT_PER_CTA_MIN_FILL = 0.8     # ... when the units fill this share of the SMs (GemmConfig) ...
 UNIT_PER_CTA_SHORT_K = 8192     # ... and up to 128 rows (gemm_wide.MAX_BATCH_TILE) only where K is at most this
-DEFAULT_L2_PREFETCH = 8    # fastest AttnRes->GEMM link at M <= 8 (bench/chain.py, gemm_notes.md §6)
+# No L2 prefetch beyond the stages by default. 8 iterations gave the fastest AttnRes -> GEMM
+# link and GEMM -> GEMM chain (gemm_notes.md §6; still 0.4-1.7% in bench/gemm.py in session
+# 17), but the decode step is 1.0-2.5% faster without it at 1-32 rows (8 and 93 layers, A/B
+# in one process, bitwise-equal logits; §26), and ties at 64.
+DEFAULT_L2_PREFETCH = 0
 
 
 def _round_up(a: int, b: int) -> int:
@@ -629,10 +633,10 @@ class DecodeGemmKernel:
                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
             self.load_w(tma_w, tWgW, tWsW, g_begin + i, i, full + i, evict_first)
 
-        # Then an L2 prefetch of the next l2_prefetch iterations' W tiles: still weight traffic
-        # only, and it keeps HBM busy when the stages are full before the previous kernel ends
-        # (the PDL overlap window can outlast the stages: AttnRes's post phase, our own tail).
-        # No barrier tracks it; the later TMA loads simply find the lines in L2.
+        # Then (l2_prefetch > 0; off by default, see DEFAULT_L2_PREFETCH) an L2 prefetch of the
+        # next iterations' W tiles: still weight traffic only, meant to keep HBM busy when the
+        # stages are full before the previous kernel ends. No barrier tracks it; the later TMA
+        # loads simply find the lines in L2.
         n_pf = cutlass.min(n_iters, n_pre + cfg.l2_prefetch)
         for i in cutlass.range(n_pre, n_pf, unroll=1):
             self.prefetch_w(tma_w, tWgW, g_begin + i)
