@@ -120,9 +120,9 @@ UNIT_PER_CTA_ROWS = (65, 256)   # plain shapes: one whole-K 64-row unit per CTA 
 UNIT_PER_CTA_MIN_FILL = 0.8     # ... when the units fill this share of the SMs (GemmConfig) ...
 UNIT_PER_CTA_SHORT_K = 8192     # ... and up to 128 rows (gemm_wide.MAX_BATCH_TILE) only where K is at most this
 # No L2 prefetch beyond the stages by default. 8 iterations gave the fastest AttnRes -> GEMM
-# link and GEMM -> GEMM chain (gemm_notes.md §6; still 0.4-1.7% in bench/gemm.py in session
-# 17), but the decode step is 1.0-2.5% faster without it at 1-32 rows (8 and 93 layers, A/B
-# in one process, bitwise-equal logits; §26), and ties at 64.
+# link and GEMM -> GEMM chain (gemm_notes.md §6; in session 17 still up to 4% on qkv in
+# bench/gemm.py), but the decode step is 1.0-2.5% faster without it at 1-32 rows (8 and 93
+# layers, A/B in one process, bitwise-equal logits; §26), and ties at 64.
 DEFAULT_L2_PREFETCH = 0
 
 
