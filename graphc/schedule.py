@@ -174,6 +174,9 @@ def verify(schedule: Schedule) -> list[Refusal]:
 
 # --- choosing implementations for a GPU --------------------------------------------------------
 
+_ARCH_WORDS = {"sm_90a": "sm_90a (H100/H200)", "sm_90": "sm_90 or later"}
+
+
 def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu: str,
                             implementations: Mapping[str, str] | None = None,
                             batches: tuple[int | None, ...] = (None,)) -> tuple[dict[str, str], list[str]]:
@@ -189,13 +192,14 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
     substituted: dict[str, str] = {}
     notes = []
     for op in ops_in_order(graph):
+        runnable = [n for n, i in op.implementations.items() if i.runs_on(capability) and i.available()]
         explicit = chosen.get(op.name) or chosen.get(op.kind)
         if explicit is not None:
             impl = op.implementations.get(explicit)
             if impl is not None and not impl.runs_on(capability):
                 raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} needs "
-                                  f"{impl.arch} (H100/H200); {gpu} is {cc}. Choose one of "
-                                  f"{', '.join(n for n, i in op.implementations.items() if i.runs_on(capability))}")
+                                  f"{_ARCH_WORDS[impl.arch]}; {gpu} is {cc}. Choose one of "
+                                  f"{', '.join(runnable) or 'none: no implementation runs there'}")
             continue
         if op.kind in substituted:
             continue
@@ -203,8 +207,9 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
         blocked = sorted(d for d in defaults if not op.implementations[d].runs_on(capability))
         if not blocked:
             continue
-        portable = next(n for n, i in op.implementations.items()
-                        if i.runs_on(capability) and i.available())
+        if not runnable:
+            raise GraphcError(f"{op.name}: no implementation of {op.kind} runs on {gpu} ({cc})")
+        portable = runnable[0]
         substituted[op.kind] = portable
         notes.append(f"{op.kind}: {portable} instead of "
                      + ", ".join(f"{d} ({op.implementations[d].arch})" for d in blocked))
