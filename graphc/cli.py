@@ -53,6 +53,19 @@ def _front(spec_path: str, implementations=None, use_pdl=True, batch: int | None
     return spec, graph, schedule
 
 
+def _implementations_for_this_gpu(graph, sizes) -> dict:
+    """The implementation choices graphc.build makes on the current CUDA GPU (none beyond the
+    defaults on an H100/H200)."""
+    import torch
+
+    from .schedule import implementations_for_gpu
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    chosen, _ = implementations_for_gpu(graph, torch.cuda.get_device_capability(dev),
+                                        f"{torch.cuda.get_device_name(dev)} ({dev})", None, tuple(sizes))
+    return chosen
+
+
 def _context(spec, requested):
     return min(requested or 1024, spec.model.max_context)
 
@@ -65,9 +78,17 @@ def cmd_build(args) -> int:
 
     from .schedule import build_schedule
 
+    import torch
+
     sizes = args.batch_sizes
+    capture = torch.cuda.is_available() and not args.no_capture
+    # The files describe what runs: on a GPU that is to capture, its implementations (portable
+    # ones where it is not an H100/H200), else the Hopper schedule graphc is built for.
     spec, graph, schedule = _front(args.spec, use_pdl=not args.no_pdl, batch=sizes[0])
-    schedules = {b: schedule if b == sizes[0] else build_schedule(graph, None, not args.no_pdl, batch=b)
+    chosen = _implementations_for_this_gpu(graph, sizes) if capture else None
+    if chosen:
+        schedule = build_schedule(graph, chosen, not args.no_pdl, batch=sizes[0])
+    schedules = {b: schedule if b == sizes[0] else build_schedule(graph, chosen, not args.no_pdl, batch=b)
                  for b in sizes}
     out = Path(args.out or Path("out") / Path(args.spec).stem)
     out.mkdir(parents=True, exist_ok=True)
@@ -99,9 +120,7 @@ def cmd_build(args) -> int:
     if args.reference or (args.reference is None and wbytes <= SMALL_MODEL_BYTES):
         _reference_step(spec, schedule, args.batch_sizes[0], args.weights)
 
-    import torch
-
-    if torch.cuda.is_available() and not args.no_capture:
+    if capture:
         from .bench import bench_step, format_step_table
 
         rows = bench_step(args.spec, args.batch_sizes, ctx, weights=args.weights,

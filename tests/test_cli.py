@@ -120,3 +120,23 @@ def test_full_depth_build_is_fast_and_allocates_no_weights(tmp_path):
     assert elapsed < 60
     assert rss_mb < 3000          # ~100 GB of weights never materialise
     assert "93 layers" in r.stdout and "reference step" not in r.stdout
+
+
+def test_build_on_a_gpu_other_than_hopper_writes_the_schedule_that_runs(tmp_path, monkeypatch, capsys):
+    """On an sm_80 GPU (faked; the capture itself is stubbed out) the schedule files name the
+    portable implementations the build captures, not the Hopper kernels."""
+    import torch
+
+    import graphc.bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(graphc.bench, "bench_step", lambda *a, **k: [])
+    monkeypatch.setattr(graphc.bench, "format_step_table", lambda rows: "(capture stubbed)")
+    assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1,8", "--no-reference"]) == 0
+    text = (tmp_path / "schedule.txt").read_text()
+    assert "linear/cublas" in text and "attn_res/torch" in text
+    assert "/cute" not in text and "/tma" not in text and "/triton" not in text
+    assert "(capture stubbed)" in capsys.readouterr().out
