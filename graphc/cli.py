@@ -53,19 +53,6 @@ def _front(spec_path: str, implementations=None, use_pdl=True, batch: int | None
     return spec, graph, schedule
 
 
-def _implementations_for_this_gpu(graph, sizes) -> dict:
-    """The implementation choices graphc.build makes on the current CUDA GPU (none beyond the
-    defaults on an H100/H200)."""
-    import torch
-
-    from .schedule import implementations_for_gpu
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    chosen, _ = implementations_for_gpu(graph, torch.cuda.get_device_capability(dev),
-                                        f"{torch.cuda.get_device_name(dev)} ({dev})", None, tuple(sizes))
-    return chosen
-
-
 def _context(spec, requested):
     return min(requested or 1024, spec.model.max_context)
 
@@ -74,6 +61,7 @@ def cmd_build(args) -> int:
     from .floor import step_floor_s
     from .graph import weight_bytes, weight_shapes
     from .plan import memory_layout
+    from .runtime import gpu_implementations
     from .viz import write_dataflow_svg, write_schedule_html
 
     from .schedule import build_schedule
@@ -85,7 +73,9 @@ def cmd_build(args) -> int:
     # The files describe what runs: on a GPU that is to capture, its implementations (portable
     # ones where it is not an H100/H200), else the Hopper schedule graphc is built for.
     spec, graph, schedule = _front(args.spec, use_pdl=not args.no_pdl, batch=sizes[0])
-    chosen = _implementations_for_this_gpu(graph, sizes) if capture else None
+    # The choices graphc.build makes on this GPU (none beyond the defaults on an H100/H200).
+    chosen = gpu_implementations(graph, torch.device("cuda", torch.cuda.current_device()),
+                                 batch_sizes=sizes) if capture else None
     if chosen:
         schedule = build_schedule(graph, chosen, not args.no_pdl, batch=sizes[0])
     schedules = {b: schedule if b == sizes[0] else build_schedule(graph, chosen, not args.no_pdl, batch=b)

@@ -212,6 +212,25 @@ class DecodeStep:
         return result
 
 
+def _gpu_name(dev: torch.device) -> str:
+    return f"{torch.cuda.get_device_name(dev)} ({dev})"
+
+
+def gpu_implementations(graph, dev: torch.device, implementations: dict | None = None,
+                        batch_sizes: Sequence[int] = (None,),
+                        progress: Callable[[str], None] | None = None) -> dict:
+    """The implementation choices a build on the CUDA device ``dev`` makes
+    (``schedule.implementations_for_gpu``: the caller's, plus portable ones for op kinds whose
+    defaults this GPU cannot run, which ``progress`` hears about)."""
+    capability = torch.cuda.get_device_capability(dev)
+    chosen, substituted = implementations_for_gpu(graph, capability, _gpu_name(dev), implementations,
+                                                  tuple(batch_sizes))
+    if substituted and progress is not None:
+        progress(f"{_gpu_name(dev)} is sm_{capability[0]}{capability[1]}; graphc's Hopper kernels need "
+                 f"sm_90a (H100/H200), so this build runs portable ones: " + "; ".join(substituted))
+    return chosen
+
+
 def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4, 8),
           weights: Weights | str | os.PathLike | None = None, device: str = "cuda",
           implementations: dict | None = None, use_pdl: bool = True, seed: int = 0,
@@ -231,21 +250,13 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())   # tensors report cuda:N
     graph = build_graph(spec)
-    chosen = implementations if dev.type == "cuda" else None
-    if dev.type == "cuda":
-        capability = torch.cuda.get_device_capability(dev)
-        gpu = f"{torch.cuda.get_device_name(dev)} ({dev})"
-        chosen, substituted = implementations_for_gpu(graph, capability, gpu, chosen, tuple(sizes))
-        if substituted:
-            progress(f"{gpu} is sm_{capability[0]}{capability[1]}; graphc's Hopper kernels need "
-                     f"sm_90a (H100/H200), so this build runs portable ones: "
-                     + "; ".join(substituted))
+    chosen = gpu_implementations(graph, dev, implementations, sizes, progress) if dev.type == "cuda" else None
     schedules = {b: build_schedule(graph, chosen, use_pdl, batch=b) for b in sizes}
     shapes = weight_shapes(graph)
     if dev.type == "cuda":
         # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
         free, _ = torch.cuda.mem_get_info(dev)
-        check_fits(schedules[sizes[-1]], sizes[-1], free, f"{torch.cuda.get_device_name(dev)} ({dev})",
+        check_fits(schedules[sizes[-1]], sizes[-1], free, _gpu_name(dev),
                    new_weight_bytes=0 if isinstance(weights, Weights) else None,
                    transient_bytes=random_init_temporary_bytes(shapes) if weights is None else 0)
     t0 = time.perf_counter()

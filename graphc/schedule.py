@@ -191,15 +191,17 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
     cc = f"sm_{capability[0]}{capability[1]}"
     substituted: dict[str, str] = {}
     notes = []
+    def runnable(op) -> list[str]:
+        return [n for n, i in op.implementations.items() if i.runs_on(capability) and i.available()]
+
     for op in ops_in_order(graph):
-        runnable = [n for n, i in op.implementations.items() if i.runs_on(capability) and i.available()]
         explicit = chosen.get(op.name) or chosen.get(op.kind)
         if explicit is not None:
             impl = op.implementations.get(explicit)
             if impl is not None and not impl.runs_on(capability):
                 raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} needs "
                                   f"{_ARCH_WORDS[impl.arch]}; {gpu} is {cc}. Choose one of "
-                                  f"{', '.join(runnable) or 'none: no implementation runs there'}")
+                                  f"{', '.join(runnable(op)) or 'none: no implementation runs there'}")
             continue
         if op.kind in substituted:
             continue
@@ -207,9 +209,9 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
         blocked = sorted(d for d in defaults if not op.implementations[d].runs_on(capability))
         if not blocked:
             continue
-        if not runnable:
+        portable = next(iter(runnable(op)), None)
+        if portable is None:
             raise GraphcError(f"{op.name}: no implementation of {op.kind} runs on {gpu} ({cc})")
-        portable = runnable[0]
         substituted[op.kind] = portable
         notes.append(f"{op.kind}: {portable} instead of "
                      + ", ".join(f"{d} ({op.implementations[d].arch})" for d in blocked))
