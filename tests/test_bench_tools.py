@@ -178,3 +178,31 @@ def test_floor_bandwidth_is_fixed_for_the_h200_and_measured_elsewhere():
     assert bw == 2.9e12 and "measured on this NVIDIA H100 80GB HBM3" in source
     with pytest.raises(GraphcError, match="no HBM bandwidth known for NVIDIA H100"):
         floor_bandwidth("NVIDIA H100 80GB HBM3", None)
+
+
+def test_step_ab_variants_reach_only_their_roles(monkeypatch):
+    step_ab = _load("step_ab")
+    import torch
+
+    from graphc.kernels import gemm
+
+    assert step_ab.parse_variant("pf8:l2_prefetch=8,stages=6@attn.qkv,lm_head") == (
+        "pf8", {"l2_prefetch": 8, "stages": 6}, {"attn.qkv", "lm_head"})
+    assert step_ab.parse_variant("pf16:l2_prefetch=16") == ("pf16", {"l2_prefetch": 16}, None)
+    for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9"):
+        with pytest.raises(SystemExit, match="--variant"):
+            step_ab.parse_variant(bad)
+
+    calls = []
+    monkeypatch.setattr(gemm, "linear", lambda x, w, out, **kw: calls.append((w, kw)))
+    shipped = gemm.linear
+    qkv, down = torch.zeros(2), torch.zeros(3)
+    roles = {qkv.data_ptr(): "attn.qkv", down.data_ptr(): "mlp.down"}
+    with step_ab.decode_gemm_knobs({"l2_prefetch": 8}, {"attn.qkv"}, roles):
+        gemm.linear(None, qkv, None, epilogue=None)
+        gemm.linear(None, down, None, epilogue=None)
+    with step_ab.decode_gemm_knobs({"stages": 6}, None, roles):
+        gemm.linear(None, down, None, use_pdl=True)
+    assert gemm.linear is shipped
+    assert [kw for _, kw in calls] == [{"l2_prefetch": 8, "epilogue": None}, {"epilogue": None},
+                                       {"stages": 6, "use_pdl": True}]

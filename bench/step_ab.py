@@ -1,0 +1,124 @@
+"""Decode-GEMM knobs A/B inside the whole decode step, in one process.
+
+    python3 bench/step_ab.py layer_specs/kimi_k3_dense_8l.yaml --batch-sizes 1,8,32 \\
+        --variant pf8:l2_prefetch=8 --variant pf8_s6:l2_prefetch=8,stages=6
+    python3 bench/step_ab.py SPEC --variant pf8_qkv:l2_prefetch=8@attn.qkv   # one role only
+
+A micro-benchmark runs one kernel after itself; the step is what ships. So a knob of
+kernels/gemm.py (its TUNING_KNOBS) is decided here: every variant passes its knobs to the
+decode GEMMs of the step (or, with ``@role,role``, only to those roles: ``attn.qkv``,
+``mlp.gate_up``, ``lm_head``; a role is a node name without its layer prefix), beside the
+shipped defaults ('shipped'). All variants share one set of weights and are captured once
+each; every round replays each variant in turn (``graphc.bench.time_replays``: the median
+of 100 replays), so a board that slows down or caps its power hits every variant alike.
+
+Prints per batch size each variant's median step time of every round, its best round against
+the HBM floor, and the largest difference of its logits from the shipped step's (0.0 where
+a knob leaves the arithmetic alone, as the prefetch knobs do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHIPPED = "shipped"
+
+
+def parse_variant(text: str) -> tuple[str, dict, set | None]:
+    """``name:knob=v,knob=v[@role,role]`` -> (name, knobs, roles or None for every role)."""
+    from graphc.kernels.gemm import LINEAR_KNOBS
+
+    name, sep, rest = text.partition(":")
+    if not sep or not name or name == SHIPPED:
+        raise SystemExit(f"--variant {text!r}: expected NAME:KNOB=V[,KNOB=V][@ROLE,ROLE] "
+                         f"(NAME not {SHIPPED!r})")
+    knob_text, _, role_text = rest.partition("@")
+    knobs = {}
+    for item in filter(None, knob_text.split(",")):
+        knob, eq, value = item.partition("=")
+        if not eq or knob not in LINEAR_KNOBS:
+            raise SystemExit(f"--variant {text!r}: {item!r} is not KNOB=V with KNOB one of {LINEAR_KNOBS}")
+        knobs[knob] = int(value)
+    roles = set(filter(None, role_text.split(","))) or None
+    return name, knobs, roles
+
+
+@contextlib.contextmanager
+def decode_gemm_knobs(knobs: dict, roles: set | None, role_of_weight: dict):
+    """While open, the decode GEMM (``graphc.kernels.gemm.linear``, which graphc's linear op
+    imports at each launch) gets ``knobs`` for the weights of ``roles`` (None: all)."""
+    from graphc.kernels import gemm
+
+    shipped_linear = gemm.linear
+
+    def linear(x, weight, out, **kwargs):
+        if roles is None or role_of_weight.get(weight.data_ptr()) in roles:
+            kwargs = {**knobs, **kwargs}
+        shipped_linear(x, weight, out, **kwargs)
+
+    gemm.linear = linear
+    try:
+        yield
+    finally:
+        gemm.linear = shipped_linear
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from graphc.bench import _inputs, device_floor_bandwidth, time_replays
+    from graphc.floor import step_floor_s
+    from graphc.graph import build_graph, weight_shapes
+    from graphc.runtime import build
+    from graphc.spec import load_spec
+    from graphc.weights import Weights
+    from step_breakdown import role
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--variant", action="append", default=[], help="NAME:KNOB=V[,KNOB=V][@ROLE,ROLE]")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--context", type=int, default=1024)
+    args = ap.parse_args(argv)
+    variants = [parse_variant(v) for v in args.variant]
+    if not variants:
+        raise SystemExit("give at least one --variant")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+
+    spec = load_spec(args.spec)
+    shapes = weight_shapes(build_graph(spec))
+    weights = Weights.random(shapes, seed=0, device="cuda")
+    role_of_weight = {t.data_ptr(): role(name.rsplit(".", 1)[0]) for name, t in weights.tensors.items()}
+    steps = {SHIPPED: build(spec, batch_sizes, weights=weights, progress=None)}
+    for name, knobs, roles in variants:
+        with decode_gemm_knobs(knobs, roles, role_of_weight):
+            steps[name] = build(spec, batch_sizes, weights=weights, progress=None)
+
+    floor_bw = device_floor_bandwidth()["hbm_bytes_per_s"]
+    print(f"# {torch.cuda.get_device_name()}: {args.spec}, {args.rounds} rounds of the median of "
+          f"100 replays; variants: " + "; ".join(a for a in args.variant))
+    for b in batch_sizes:
+        tokens, seq_lens = _inputs(steps[SHIPPED], b, args.context)
+        logits = {name: step(tokens, seq_lens).float().clone() for name, step in steps.items()}
+        times = {name: [] for name in steps}
+        for _ in range(args.rounds):
+            for name, step in steps.items():
+                times[name].append(time_replays(step.graphs[b].replay, replays=100) * 1e6)
+        floor_us = step_floor_s(steps[SHIPPED].schedule, b, args.context, floor_bw) * 1e6
+        print(f"batch {b} (floor {floor_us:.1f} us):")
+        for name in steps:
+            diff = (logits[name] - logits[SHIPPED]).abs().max().item()
+            rounds = " ".join(f"{t:.1f}" for t in times[name])
+            print(f"  {name:<14} {rounds}   best {min(times[name]) / floor_us:.3f}x floor   "
+                  f"max |logits - shipped| {diff:.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
