@@ -107,7 +107,7 @@ EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
 TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
-                "publish_first", "cluster", "x_trim")
+                "publish_first", "cluster", "x_trim", "pre_wait_stages")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
@@ -143,7 +143,7 @@ class GemmConfig:
                  block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None,
                  stages: int | None = None, halves: int | None = None, y_staging: int | None = None,
                  col_wgs: int | None = None, publish_first: int | None = None, cluster: int | None = None,
-                 x_trim: int | None = None):
+                 x_trim: int | None = None, pre_wait_stages: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -242,6 +242,13 @@ class GemmConfig:
         if not 0 <= l2_prefetch <= 64:
             raise ValueError(f"l2_prefetch={l2_prefetch} unsupported: 0..64 iterations")
         self.l2_prefetch = int(l2_prefetch)
+        # How many of the prologue's stages load their W before the PDL wait (the others load
+        # theirs right after it, with their x): every stage by default.
+        if pre_wait_stages is None:
+            pre_wait_stages = self.stages
+        if not 0 <= pre_wait_stages <= self.stages:
+            raise ValueError(f"pre_wait_stages={pre_wait_stages} unsupported: 0..{self.stages} (the stages)")
+        self.pre_wait_stages = int(pre_wait_stages)
         # Accumulator floats per thread per half (64 x mma_n over 128 threads).
         self.frag = HALF_ROWS * self.mma_n // 128
         # Workspace: two partial slots per CTA (its first and last segment can be partial).
@@ -390,7 +397,8 @@ class GemmConfig:
                 f"stages={self.stages}, wgs={self.row_wgs}x{self.col_wgs}, mma_n={self.mma_n}, "
                 f"l2_prefetch={self.l2_prefetch}, y_staging={self.y_staging}, "
                 f"publish_first={self.publish_first}, cluster={self.cluster}"
-                + (", x_trim=1" if self.x_trim else "") + ")")
+                + (", x_trim=1" if self.x_trim else "")
+                + (f", pre_wait_stages={self.pre_wait_stages}" if self.pre_wait_stages < self.stages else "") + ")")
 
 
 def check_shape(m: int, k: int, n: int, epilogue: str | None = None) -> None:
@@ -628,7 +636,8 @@ class DecodeGemmKernel:
         # wait); each barrier is armed with the whole stage (W + x) so it cannot complete
         # before the x bytes land after the wait.
         n_pre = cutlass.min(n_iters, cfg.stages)
-        for i in cutlass.range(n_pre, unroll=1):
+        n_early = cutlass.min(n_pre, cfg.pre_wait_stages)
+        for i in cutlass.range(n_early, unroll=1):
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
             self.load_w(tma_w, tWgW, tWsW, g_begin + i, i, full + i, evict_first)
@@ -643,8 +652,14 @@ class DecodeGemmKernel:
 
         cute.arch.griddepcontrol_wait()
 
-        # x for the prologue stages.
-        for i in cutlass.range(n_pre, unroll=1):
+        # x for the stages whose W is on its way, then the rest of the prologue's stages
+        # (pre_wait_stages < stages), still fresh: no empty wait.
+        for i in cutlass.range(n_early, unroll=1):
+            self.load_x(x_views, g_begin + i, i, full + i)
+        for i in cutlass.range(n_early, n_pre, unroll=1):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
+            self.load_w(tma_w, tWgW, tWsW, g_begin + i, i, full + i, evict_first)
             self.load_x(x_views, g_begin + i, i, full + i)
 
         # Steady state: wait for the consumers to free a stage, refill it with W and x. (Keeping

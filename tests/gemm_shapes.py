@@ -61,6 +61,9 @@ TUNING_CASES = [
     (1, 1024, 1024, None, dict(publish_first=0)),
     (64, 7168, 36864, "silu_mul", dict(publish_first=1)),
     (256, 7168, 10240, None, dict(publish_first=1)),
+    # Only some of the prologue's stages load W before the PDL wait.
+    (8, 8192, 7168, None, dict(pre_wait_stages=3)),
+    (64, 7168, 36864, "silu_mul", dict(pre_wait_stages=0)),
     # Whole-K tiles (kernels/gemm_wide.py), the default for plain shapes at 128 and 231-256
     # rows when one wave of tiles fills the SMs: 64-row batch tiles, several tiles per CTA
     # (a persistent loop), a padded batch tile, forced at few rows, a shallow pipeline, pairs

@@ -169,6 +169,11 @@ def test_tuning_knobs_round_trip_and_bounds():
         GemmConfig(64, 7168, 7168, stages=10)           # 10 x 24 KB > SMEM_MAX
     with pytest.raises(ValueError, match="stages=1 "):
         GemmConfig(8, 7168, 7168, stages=1)
+    early = GemmConfig(8, 7168, 7168, pre_wait_stages=3)
+    assert GemmConfig.from_key(early.key()).pre_wait_stages == 3 and "pre_wait_stages=3" in repr(early)
+    assert GemmConfig(8, 7168, 7168).pre_wait_stages == GemmConfig(8, 7168, 7168).stages
+    with pytest.raises(ValueError, match="pre_wait_stages=12 unsupported: 0..11"):
+        GemmConfig(8, 7168, 7168, pre_wait_stages=12)
 
 
 def test_split_reduction_paths():
@@ -418,7 +423,7 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     trigger = ptx.index("griddepcontrol.launch_dependents")
     wait = ptx.index("griddepcontrol.wait")
     first_tma = ptx.index("cp.async.bulk.tensor")
-    assert trigger < first_tma < wait
+    assert trigger < first_tma < wait if cfg.pre_wait_stages else wait < first_tma
     prologue = ptx[:wait]
     # Summed partials leave L2 without a write-back (discard_partials), after the wait.
     assert "discard.global.L2" in ptx[wait:] and "discard." not in prologue
@@ -427,7 +432,7 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     prefetches = [i for i, line in enumerate(ptx.splitlines()) if "cp.async.bulk.prefetch.tensor.2d.L2" in line]
     assert len(prefetches) == (cfg.row_wgs * cfg.halves * cfg.block_k // 64 if cfg.l2_prefetch else 0)
     assert all(i < prologue.count("\n") for i in prefetches)
-    assert str(EVICT_FIRST) in prologue
+    assert (str(EVICT_FIRST) in prologue) == bool(cfg.pre_wait_stages)
     for op in ("ld.global", "st.global", "atom.", "red."):
         assert not re.search(r"(?<![\w.])" + re.escape(op), prologue), f"{op} before griddepcontrol.wait"
     # Every cp.async.bulk.tensor before the wait uses the W descriptor's hint register.
@@ -464,6 +469,8 @@ def test_ptx_other_shapes(m, k, n, epilogue):
     (32, 1024, 36864, None, dict(row_wgs=2)),          # two row warpgroups, plain
     (8, 7168, 10240, None, dict(l2_prefetch=0)),       # no L2 prefetch
     (8, 7168, 10240, None, dict(l2_prefetch=16)),
+    (8, 7168, 10240, None, dict(pre_wait_stages=4)),   # the other stages' W after the wait
+    (8, 7168, 10240, None, dict(pre_wait_stages=0)),   # no weight traffic before it
 ])
 def test_ptx_tuning_variants(m, k, n, epilogue, tuning):
     cfg = GemmConfig(m, k, n, epilogue, **tuning)
