@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ from .errors import GraphcError
 from .spec import SpecError
 
 SMALL_MODEL_BYTES = 512 << 20     # reference step runs by default below this weight size
+MAX_BATCH = 512                   # graphc.runtime.MAX_BATCH (importing it here would load torch)
+DEFAULT_CONTEXT = 1024            # tokens per sequence for the floor and the benchmark
 
 
 def _say(msg: str = "") -> None:
@@ -28,12 +31,32 @@ def _progress(msg: str) -> None:
 
 def _batch_sizes(text: str) -> list[int]:
     try:
-        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+        sizes = sorted({int(x) for x in text.split(",")})
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {text!r}")
-    if not sizes or sizes[0] < 1 or sizes[-1] > 512:
-        raise argparse.ArgumentTypeError(f"batch sizes must be between 1 and 512, found {text!r}")
+    if sizes[0] < 1 or sizes[-1] > MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"batch sizes must be between 1 and {MAX_BATCH}, found {text!r}")
     return sizes
+
+
+def _batch(text: str) -> int:
+    try:
+        b = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}")
+    if not 1 <= b <= MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"a batch size is between 1 and {MAX_BATCH}, found {b}")
+    return b
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {n}")
+    return n
 
 
 def _front(spec_path: str, implementations=None, use_pdl=True, batch: int | None = 1):
@@ -53,15 +76,38 @@ def _front(spec_path: str, implementations=None, use_pdl=True, batch: int | None
     return spec, graph, schedule
 
 
-def _context(spec, requested):
-    return min(requested or 1024, spec.model.max_context)
+def _context(spec, requested: int | None) -> int:
+    """Tokens per sequence for the HBM floor: ``requested`` (--context), which the model must
+    hold, or 1024 (at most the model's max_context)."""
+    if requested is None:
+        return min(DEFAULT_CONTEXT, spec.model.max_context)
+    if requested > spec.model.max_context:
+        raise GraphcError(f"--context {requested} is more than {spec.path} holds "
+                          f"(model.max_context {spec.model.max_context})")
+    return requested
+
+
+def _writable_folder(path: Path, what: str) -> Path:
+    """Create the folder ``path`` (and its parents) for ``what``, or refuse naming why."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise GraphcError(f"{what} {path}: a file of that name is in the way") from None
+    except OSError as e:
+        raise GraphcError(f"{what} {path}: cannot create it ({e.strerror})") from None
+    return path
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def cmd_build(args) -> int:
     from .floor import step_floor_s
     from .graph import weight_bytes, weight_shapes
-    from .plan import memory_layout
+    from .plan import DEVICE_HEADROOM_BYTES, memory_layout
     from .runtime import gpu_implementations
+    from .weights import check_weights
     from .viz import write_dataflow_svg, write_schedule_html
 
     from .schedule import build_schedule
@@ -80,26 +126,33 @@ def cmd_build(args) -> int:
         schedule = build_schedule(graph, chosen, not args.no_pdl, batch=sizes[0])
     schedules = {b: schedule if b == sizes[0] else build_schedule(graph, chosen, not args.no_pdl, batch=b)
                  for b in sizes}
-    out = Path(args.out or Path("out") / Path(args.spec).stem)
-    out.mkdir(parents=True, exist_ok=True)
+    # Everything the outputs and the later steps need is checked before the first file is
+    # written: a refused build leaves nothing half-written.
+    ctx = _context(spec, args.context)
+    if args.weights:
+        check_weights(args.weights, weight_shapes(graph))
+    names_file = Path(args.write_weight_names) if args.write_weight_names else None
+    if names_file and not names_file.parent.is_dir():
+        raise GraphcError(f"--write-weight-names {names_file}: no folder {names_file.parent}")
+    out = _writable_folder(Path(args.out or Path("out") / Path(args.spec).stem), "--out")
     (out / "graph.json").write_text(json.dumps(graph_json(graph), indent=1))
     (out / "schedule.txt").write_text(schedules_text(schedules))
     write_dataflow_svg(graph, out / "graph.svg")
     write_schedule_html(schedule, out / "schedule.html")
-    if args.write_weight_names:
+    if names_file:
         shapes = weight_shapes(graph)
-        Path(args.write_weight_names).write_text(
-            "".join(f"{name}\t{list(shape)}\n" for name, shape in shapes.items()))
-        _progress(f"wrote {len(shapes)} weight names to {args.write_weight_names}")
+        names_file.write_text("".join(f"{name}\t{list(shape)}\n" for name, shape in shapes.items()))
+        _progress(f"wrote {len(shapes)} weight names to {names_file}")
 
-    ctx = _context(spec, args.context)
     wbytes = weight_bytes(graph)
-    _say(f"{spec.model.name}: {len(spec.layers)} layers, residual {spec.residual.kind}"
-         + (f" (block size {spec.residual.block_size}, {spec.num_blocks()} blocks)"
+    _say(f"{spec.model.name}: {_plural(len(spec.layers), 'layer')}, residual {spec.residual.kind}"
+         + (f" (block size {spec.residual.block_size}, {_plural(spec.num_blocks(), 'block')})"
             if spec.residual.kind == "attn_res" else ""))
     _say(f"  kernels {len(schedule.kernels)}, weights {wbytes / 1e9:.2f} GB")
     layout = memory_layout(schedule, sizes[-1])
-    _say(f"  GPU memory at batch sizes up to {sizes[-1]}: {layout.total_bytes / 1e9:.2f} GB ({layout.describe()})")
+    _say(f"  GPU memory at batch sizes up to {sizes[-1]}: "
+         f"{(layout.total_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.2f} GB ({layout.describe()}, "
+         f"workspace {DEVICE_HEADROOM_BYTES / 1e9:.1f} GB)")
     for group, s in _groups(schedules):
         _say(f"  batch {', '.join(map(str, group))}: {s.describe()}")
     _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")
@@ -123,11 +176,14 @@ def _reference_step(spec, schedule, batch, weights_path):
     import torch
 
     from .graph import weight_shapes
-    from .plan import Plan
+    from .plan import Plan, check_fits
     from .reference import reference_step
-    from .weights import Weights
+    from .runtime import host_free_bytes
+    from .weights import Weights, random_init_temporary_bytes
 
     shapes = weight_shapes(schedule.graph)
+    check_fits(schedule, batch, host_free_bytes(), "this host", memory="host memory",
+               transient_bytes=0 if weights_path else random_init_temporary_bytes(shapes))
     weights = Weights.load(weights_path, shapes) if weights_path else Weights.random(shapes)
     plan = Plan(schedule, batch, weights)
     tokens = torch.arange(batch) % spec.model.vocab
@@ -214,22 +270,54 @@ def cmd_inspect(args) -> int:
 def cmd_viz(args) -> int:
     from .viz import write_viz
 
-    profile = json.loads(Path(args.profile).read_text()) if args.profile else None
+    out = Path(args.out)
+    if args.profile and out.suffix.lower() != ".html":
+        raise GraphcError(f"--profile draws measured durations on the schedule timeline: write it to "
+                          f"an .html file, not {out.name} (.svg and .dot draw the dataflow graph)")
+    profile = _load_profile(args.profile) if args.profile else None
     # Draw the schedule that was measured: the profile names its batch and the implementations.
     batch = (profile or {}).get("batch", args.batch)
     _, _, schedule = _front(args.spec, (profile or {}).get("implementations"), batch=batch)
-    write_viz(schedule, args.out, profile=profile)
-    _say(f"wrote {args.out}")
+    _writable_folder(out.parent, "--out folder")
+    write_viz(schedule, out, profile=profile)
+    _say(f"wrote {out}")
     return 0
+
+
+def _load_profile(path: str) -> dict:
+    """A profile written by DecodeStep.profile: a JSON object whose batch (if given) is a batch
+    size and whose implementations (if given) map names to implementation names."""
+    try:
+        profile = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise GraphcError(f"--profile {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GraphcError(f"--profile {path}: not a JSON profile ({e})") from None
+    if not isinstance(profile, dict):
+        raise GraphcError(f"--profile {path}: expected a JSON object (DecodeStep.profile's output), "
+                          f"found a {type(profile).__name__}")
+    batch = profile.get("batch", 1)
+    if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= MAX_BATCH:
+        raise GraphcError(f"--profile {path}: batch must be an integer in 1..{MAX_BATCH}, found {batch!r}")
+    impls = profile.get("implementations", {})
+    if not isinstance(impls, dict) or not all(isinstance(v, str) for v in impls.values()):
+        raise GraphcError(f"--profile {path}: implementations must map op kinds or nodes to "
+                          f"implementation names, found {impls!r}")
+    return profile
 
 
 def cmd_run(args) -> int:
     import torch
 
     from .runtime import build
+    from .spec import load_spec
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    step = build(args.spec, [args.batch], weights=args.weights, device=device, seed=args.seed,
+    spec = load_spec(args.spec)
+    if args.steps > spec.model.max_context:
+        raise GraphcError(f"--steps {args.steps}: step i writes position i, and {args.spec} holds "
+                          f"{spec.model.max_context} (model.max_context)")
+    step = build(spec, [args.batch], weights=args.weights, device=device, seed=args.seed,
                  progress=_progress)
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, step.spec.model.vocab, (args.batch,), generator=gen).to(device)
@@ -247,8 +335,10 @@ def cmd_run(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import run_bench
+    from .spec import load_spec
 
-    run_bench(args.spec, args.batch_sizes, context=args.context, out=args.out,
+    context = _context(load_spec(args.spec), args.context)
+    run_bench(args.spec, args.batch_sizes, context=context, out=args.out,
               weights=args.weights, compare=not args.quick, progress=_progress, say=_say,
               power=not args.no_power)
     return 0
@@ -262,9 +352,11 @@ def make_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="validate, schedule, verify and write the graph, schedule "
                        "and pictures; on a GPU machine also capture and time")
     b.add_argument("spec")
-    b.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8])
+    b.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8],
+                   help="batch sizes to schedule (and capture on a GPU), comma-separated (default 1,2,4,8)")
     b.add_argument("--out", help="output folder (default out/<spec name>)")
-    b.add_argument("--context", type=int, help="tokens per sequence for the HBM floor (default 1024)")
+    b.add_argument("--context", type=_positive,
+                   help="tokens per sequence for the HBM floor (default 1024, or the model's max_context if smaller)")
     b.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                    help="run one reference step on the CPU (default: when weights < 512 MB)")
     b.add_argument("--weights", help="safetensors file (default: seeded random weights)")
@@ -275,33 +367,36 @@ def make_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="print the graph, or one node")
     i.add_argument("spec")
-    i.add_argument("node", nargs="?")
-    i.add_argument("--batch", type=int, default=1,
+    i.add_argument("node", nargs="?", help="a node name, e.g. L03.attn.qkv (default: every kernel)")
+    i.add_argument("--batch", type=_batch, default=1,
                    help="the batch size whose schedule to show (implementations differ per size)")
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("viz", help="write the dataflow graph (.svg/.dot) or schedule timeline (.html)")
     v.add_argument("spec")
-    v.add_argument("--out", required=True)
-    v.add_argument("--profile", help="profile JSON (from DecodeStep.profile) for measured durations")
-    v.add_argument("--batch", type=int, default=1,
+    v.add_argument("--out", required=True,
+                   help="picture file: .svg or .dot (dataflow graph), .html (schedule timeline)")
+    v.add_argument("--profile", help="profile JSON (from DecodeStep.profile): the .html timeline to scale")
+    v.add_argument("--batch", type=_batch, default=1,
                    help="the batch size whose schedule to draw (default 1; a profile names its own)")
     v.set_defaults(func=cmd_viz)
 
     r = sub.add_parser("run", help="build and run a few decode steps on random tokens")
     r.add_argument("spec")
-    r.add_argument("--batch", type=int, default=1)
-    r.add_argument("--steps", type=int, default=4)
-    r.add_argument("--device", choices=["cpu", "cuda"])
-    r.add_argument("--weights")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--batch", type=_batch, default=1, help="sequences per step (default 1)")
+    r.add_argument("--steps", type=_positive, default=4, help="decode steps to run (default 4)")
+    r.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where there is a GPU")
+    r.add_argument("--weights", help="safetensors file (default: seeded random weights)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
     r.set_defaults(func=cmd_run)
 
     n = sub.add_parser("bench", help="time the captured step on the GPU against its floor and baselines")
     n.add_argument("spec")
-    n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 64])
-    n.add_argument("--context", type=int, default=1024)
-    n.add_argument("--weights")
+    n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 64],
+                   help="batch sizes to capture and time, comma-separated (default 1,8,64)")
+    n.add_argument("--context", type=_positive,
+                   help="tokens already cached per sequence (default 1024, or the model's max_context if smaller)")
+    n.add_argument("--weights", help="safetensors file (default: seeded random weights)")
     n.add_argument("--out", help="JSON results file (default bench/results/step_<spec>_<gpu>_<date>.json)")
     n.add_argument("--quick", action="store_true", help="only the graphc step, no baselines")
     n.add_argument("--no-power", action="store_true",
@@ -317,6 +412,10 @@ def main(argv=None) -> int:
     except (SpecError, GraphcError) as e:
         print(f"graphc: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (graphc inspect SPEC | head): stop quietly, as other tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         return 130
 

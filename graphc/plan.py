@@ -188,7 +188,8 @@ DEVICE_HEADROOM_BYTES = 1 << 30
 
 
 def check_fits(schedule: Schedule, max_batch: int, free_bytes: int, device_name: str,
-               new_weight_bytes: int | None = None, transient_bytes: int = 0) -> MemoryLayout:
+               new_weight_bytes: int | None = None, transient_bytes: int = 0,
+               memory: str = "GPU memory") -> MemoryLayout:
     """Refuse, before anything is allocated, a build whose buffers and weights cannot fit in
     ``free_bytes``; say what takes the memory and the largest batch size that would fit.
 
@@ -209,8 +210,8 @@ def check_fits(schedule: Schedule, max_batch: int, free_bytes: int, device_name:
     fits = lo
     spec = schedule.spec
     raise GraphcError(
-        f"{spec.model.name} at batch sizes up to {max_batch} needs {need(layout) / 1e9:.1f} GB of GPU "
-        f"memory: {layout.describe(weights)}, workspace {(transient_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.1f} GB; "
+        f"{spec.model.name} at batch sizes up to {max_batch} needs {need(layout) / 1e9:.1f} GB of "
+        f"{memory}: {layout.describe(weights)}, workspace {(transient_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.1f} GB; "
         f"{device_name} has {free_bytes / 1e9:.1f} GB free. "
-        + (f"Capture batch sizes up to {fits}" if fits else "No batch size fits")
-        + f", or lower model.max_context ({spec.model.max_context}) in {spec.path}")
+        + (f"Capture batch sizes up to {fits}, or lower" if fits else "No batch size fits: lower")
+        + f" model.max_context ({spec.model.max_context}) in {spec.path}")

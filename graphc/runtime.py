@@ -25,6 +25,8 @@ from .schedule import Schedule, build_schedule, implementations_for_gpu
 from .spec import Spec, load_spec
 from .weights import Weights, random_init_temporary_bytes, read_weights
 
+MAX_BATCH = 512      # the largest captured batch size (the decode GEMM's M; the kernels' sizing)
+
 
 def _log(msg: str) -> None:
     print(f"[graphc] {msg}", file=sys.stderr, flush=True)
@@ -117,7 +119,9 @@ class DecodeStep:
             vocab, ctx = self.spec.model.vocab, self.spec.model.max_context
             if lo_hi[0] < 0 or lo_hi[1] >= vocab:
                 raise GraphcError(f"token ids must be in [0, {vocab}), found {int(lo_hi[0])}..{int(lo_hi[1])}")
-            if lo_hi[2] < 0 or lo_hi[3] >= ctx:
+            if lo_hi[2] < 0:
+                raise GraphcError(f"seq_lens (tokens already cached) must be >= 0, found {int(lo_hi[2])}")
+            if lo_hi[3] >= ctx:
                 raise GraphcError(f"a sequence is past the maximum context: seq_lens must be in "
                                   f"[0, {ctx - 1}] (max_context {ctx}), found {int(lo_hi[2])}..{int(lo_hi[3])}")
             if cache_slots is not None:
@@ -132,6 +136,13 @@ class DecodeStep:
     # --- state ------------------------------------------------------------------------------
     def reset(self, cache_slots: Sequence[int] | None = None) -> None:
         """Start new sequences: clear the KV cache of the given slots (default: all)."""
+        if cache_slots is not None:
+            slots = list(cache_slots)
+            bad = [s for s in slots if not isinstance(s, int) or not 0 <= s < self.plan.max_batch]
+            if bad:
+                raise GraphcError(f"reset: cache slots must be integers in [0, {self.plan.max_batch}), "
+                                  f"found {bad[0]!r}")
+            cache_slots = slots
         for name, buf in self.plan.buffers.items():
             if buf.kind == "state" and buf.dims and buf.dims[0] == "slots":
                 cache = self.plan.storage[name]
@@ -231,6 +242,53 @@ def gpu_implementations(graph, dev: torch.device, implementations: dict | None =
     return chosen
 
 
+def batch_size_list(batch_sizes) -> list[int]:
+    """The distinct captured batch sizes, sorted; refuses anything but integers in 1..MAX_BATCH."""
+    import numbers
+
+    items = [batch_sizes] if isinstance(batch_sizes, (str, bytes, numbers.Number)) else batch_sizes
+    try:
+        items = list(items)
+    except TypeError:
+        items = [batch_sizes]
+    bad = [b for b in items if not isinstance(b, numbers.Integral) or isinstance(b, bool)]
+    if not items or bad or isinstance(batch_sizes, (str, bytes, numbers.Number)):
+        raise GraphcError(f"batch_sizes must be a list of integers, e.g. [1, 8, 64]; found {batch_sizes!r}")
+    sizes = sorted({int(b) for b in items})
+    if sizes[0] < 1 or sizes[-1] > MAX_BATCH:
+        raise GraphcError(f"batch sizes must be between 1 and {MAX_BATCH}, found {batch_sizes}")
+    return sizes
+
+
+def run_device(device) -> torch.device:
+    """The device a step runs on: a CUDA GPU (cuda:N once known) or the CPU."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cuda", "cpu"):
+        raise GraphcError(f"device {device!r}: graphc runs on 'cuda' (or 'cuda:N') or on 'cpu' "
+                          f"(the reference executor)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GraphcError("device 'cuda' requested but no CUDA GPU is available; run on the CPU "
+                          "instead (device='cpu'; graphc run --device cpu)")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())   # tensors report cuda:N
+    return dev
+
+
+def host_free_bytes() -> int:
+    """Memory the host can still give this process (MemAvailable; free pages where there is no
+    /proc/meminfo)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4, 8),
           weights: Weights | str | os.PathLike | None = None, device: str = "cuda",
           implementations: dict | None = None, use_pdl: bool = True, seed: int = 0,
@@ -241,24 +299,20 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     """
     progress = progress or (lambda s: None)
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
-    sizes = sorted({int(b) for b in batch_sizes})
-    if not sizes or sizes[0] < 1 or sizes[-1] > 512:
-        raise GraphcError(f"batch sizes must be between 1 and 512, found {batch_sizes}")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GraphcError("device 'cuda' requested but no CUDA GPU is available (use device='cpu')")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())   # tensors report cuda:N
+    sizes = batch_size_list(batch_sizes)
+    dev = run_device(device)
     graph = build_graph(spec)
-    chosen = gpu_implementations(graph, dev, implementations, sizes, progress) if dev.type == "cuda" else None
+    # On the CPU the schedules only describe (the reference executor runs); the choices are
+    # still checked, so a build there refuses what a GPU build would.
+    chosen = gpu_implementations(graph, dev, implementations, sizes, progress) if dev.type == "cuda" else implementations
     schedules = {b: build_schedule(graph, chosen, use_pdl, batch=b) for b in sizes}
     shapes = weight_shapes(graph)
-    if dev.type == "cuda":
-        # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
-        free, _ = torch.cuda.mem_get_info(dev)
-        check_fits(schedules[sizes[-1]], sizes[-1], free, _gpu_name(dev),
-                   new_weight_bytes=0 if isinstance(weights, Weights) else None,
-                   transient_bytes=random_init_temporary_bytes(shapes) if weights is None else 0)
+    # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
+    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else host_free_bytes()
+    check_fits(schedules[sizes[-1]], sizes[-1], free, _gpu_name(dev) if dev.type == "cuda" else "this host",
+               new_weight_bytes=0 if isinstance(weights, Weights) else None,
+               transient_bytes=random_init_temporary_bytes(shapes) if weights is None else 0,
+               memory="GPU memory" if dev.type == "cuda" else "host memory")
     t0 = time.perf_counter()
     if weights is None:
         weights = Weights.random(shapes, seed=seed, device=dev)

@@ -192,7 +192,8 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
     substituted: dict[str, str] = {}
     notes = []
     def runnable(op) -> list[str]:
-        return [n for n, i in op.implementations.items() if i.runs_on(capability) and i.available()]
+        return [n for n, i in op.implementations.items()
+                if i.runs_on(capability) and i.available() and op.unsupported(n) is None]
 
     for op in ops_in_order(graph):
         explicit = chosen.get(op.name) or chosen.get(op.kind)
@@ -247,6 +248,9 @@ def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None 
         if impl not in op.implementations:
             raise GraphcError(f"{op.name}: no implementation {impl!r} of {op.kind} "
                               f"(have {', '.join(op.implementations)})")
+        why_not = op.unsupported(impl)
+        if why_not:
+            raise GraphcError(f"{op.name}: implementation {impl!r} cannot run this {op.kind}: {why_not}")
         traits = op.traits(impl)
         launch = Launch(i, op, impl, traits, "pdl", "")
         kernels.append(launch)

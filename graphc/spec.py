@@ -598,7 +598,7 @@ class _Parser:
     # -- sections -------------------------------------------------------------------------
 
     MODEL_FIELDS = {
-        "name": "a model name (letters, digits, '_', '.', '-')",
+        "name": "a model name: letters, digits, '_', '.', '-', starting with a letter or digit",
         "hidden": f"a positive multiple of {WIDTH_MULTIPLE} that the AttnRes kernel supports",
         "vocab": f"a positive multiple of {WIDTH_MULTIPLE}",
         "dtype": "bfloat16",

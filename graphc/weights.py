@@ -7,6 +7,7 @@ ever fetched from a network.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -62,12 +63,31 @@ def read_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]],
     every name, dtype and shape against ``shapes`` from the file's header: a bad file is
     refused before any tensor is read, and a caller that copies each tensor into place (a
     reload) never holds more than one extra tensor (the 93-layer model's weights are 103 GB)."""
-    from safetensors import safe_open
+    with _checked_file(path, shapes, device) as f:
+        for name in shapes:
+            yield name, f.get_tensor(name).contiguous()
+
+
+def check_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse a weights file that ``read_weights`` would refuse, reading only its header."""
+    with _checked_file(path, shapes, "cpu"):
+        pass
+
+
+@contextlib.contextmanager
+def _checked_file(path, shapes, device):
+    """The open safetensors file, once its header names every weight of ``shapes`` with its
+    shape as bfloat16 and nothing else."""
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
         raise GraphcError(f"{path}: no such weights file")
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
+    try:
+        f = safe_open(str(path), framework="pt", device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise GraphcError(f"{path}: not a readable safetensors file ({e})") from None
+    with f:
         names = set(f.keys())
         missing = sorted(set(shapes) - names)
         extra = sorted(names - set(shapes))
@@ -81,8 +101,7 @@ def read_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]],
             if found != list(shape) or dtype != "BF16":
                 raise GraphcError(f"{path}: {name}: expected bfloat16 {list(shape)}, "
                                   f"found {_SAFETENSORS_DTYPES.get(dtype, dtype)} {found}")
-        for name in shapes:
-            yield name, f.get_tensor(name).contiguous()
+        yield f
 
 
 def _few(names: list[str]) -> str:

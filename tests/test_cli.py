@@ -73,6 +73,90 @@ def test_user_errors_exit_2_with_one_line_and_no_traceback(argv, message, tmp_pa
     assert len(errors) == 1 and message in errors[0]
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["build", TINY, "--context", "300"], "--context 300 is more than layer_specs/tiny.yaml holds (model.max_context 256)"),
+    (["bench", TINY, "--context", "300"], "model.max_context 256"),
+    (["run", TINY, "--steps", "257", "--device", "cpu"], "--steps 257: step i writes position i"),
+    (["viz", TINY, "--out", "g.svg", "--profile", "p.json"], "write it to an .html file, not g.svg"),
+])
+def test_options_the_model_cannot_hold_are_refused(argv, message):
+    r = run_cli(*argv)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1] == f"graphc: error: {message}" or message in r.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["inspect", TINY, "--batch", "0"], "a batch size is between 1 and 512, found 0"),
+    (["viz", TINY, "--out", "x.svg", "--batch", "1000"], "a batch size is between 1 and 512, found 1000"),
+    (["run", TINY, "--steps", "0"], "expected a positive integer, found 0"),
+    (["build", TINY, "--context", "-5"], "expected a positive integer, found -5"),
+    (["build", TINY, "--batch-sizes", "1,,2"], "comma-separated integers"),
+])
+def test_numbers_out_of_range_are_usage_errors(argv, message):
+    r = run_cli(*argv)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and message in r.stderr
+
+
+def test_the_cli_and_the_api_take_the_same_batch_sizes():
+    from graphc import cli, runtime
+
+    assert cli.MAX_BATCH == runtime.MAX_BATCH
+
+
+def _garbage_weights(tmp_path):
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(b"\xff" * 64)
+    return path
+
+
+@pytest.mark.parametrize("case", ["not safetensors", "wrong names", "names folder missing", "out is a file"])
+def test_a_refused_build_writes_nothing(tmp_path, case):
+    """Whatever a build needs is checked before its first file is written, with or without the
+    reference step that reads the weights."""
+    out = tmp_path / "out"
+    argv = ["build", TINY, "--out", str(out), "--no-reference"]
+    if case == "not safetensors":
+        argv += ["--weights", str(_garbage_weights(tmp_path))]
+        message = "not a readable safetensors file"
+    elif case == "wrong names":
+        import torch
+        from safetensors.torch import save_file
+
+        save_file({"nope": torch.zeros(2, dtype=torch.bfloat16)}, str(tmp_path / "w.safetensors"))
+        argv += ["--weights", str(tmp_path / "w.safetensors")]
+        message = "weight names do not match the spec"
+    elif case == "names folder missing":
+        argv += ["--write-weight-names", str(tmp_path / "nowhere" / "names.txt")]
+        message = f"no folder {tmp_path / 'nowhere'}"
+    else:
+        out.write_text("a file")
+        message = f"--out {out}: a file of that name is in the way"
+    r = run_cli(*argv)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert message in r.stderr.splitlines()[-1]
+    assert not out.is_dir()
+
+
+def test_viz_creates_the_output_folder_and_checks_the_profile(tmp_path):
+    assert main(["viz", TINY, "--out", str(tmp_path / "new" / "g.svg")]) == 0
+    assert (tmp_path / "new" / "g.svg").stat().st_size > 1000
+    for text, message in [("[1, 2]", "expected a JSON object"), ("{nope", "not a JSON profile"),
+                          ('{"batch": "eight", "kernels": []}', "batch must be an integer in 1..512"),
+                          ('{"implementations": ["cute"]}', "implementations must map")]:
+        (tmp_path / "p.json").write_text(text)
+        r = run_cli("viz", TINY, "--out", str(tmp_path / "t.html"), "--profile", str(tmp_path / "p.json"))
+        assert r.returncode == 2 and "Traceback" not in r.stderr and message in r.stderr, r.stderr
+    r = run_cli("viz", TINY, "--out", str(tmp_path / "t.html"), "--profile", str(tmp_path / "none.json"))
+    assert r.returncode == 2 and "none.json: no such file" in r.stderr
+
+
+def test_inspect_into_a_closed_pipe_stops_quietly():
+    r = subprocess.run(f"{sys.executable} -m graphc.cli inspect {TINY} | head -1", shell=True,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.stdout.startswith(TINY) and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
+
+
 def test_bad_spec_error_names_file_line_and_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((open(TINY).read()).replace("hidden: 1024", "hidden: 1000"))

@@ -53,6 +53,7 @@ BAD = [
     ("int32 or int64", lambda: (torch.ones(2), torch.zeros(2, dtype=torch.int32)), {}),
     ("shape \\[2\\]", lambda: (torch.ones(2, dtype=torch.long), torch.zeros(3, dtype=torch.int32)), {}),
     ("past the maximum context", lambda: (torch.ones(2, dtype=torch.long), torch.tensor([0, 256], dtype=torch.int32)), {}),
+    ("seq_lens .* must be >= 0, found -1", lambda: (torch.ones(2, dtype=torch.long), torch.tensor([0, -1], dtype=torch.int32)), {}),
     ("token ids must be in", lambda: (torch.tensor([0, 4096]), torch.zeros(2, dtype=torch.int32)), {}),
     ("is on meta", lambda: (torch.ones(2, dtype=torch.long, device="meta"), torch.zeros(2, dtype=torch.int32)), {}),
     ("distinct", lambda: (torch.ones(2, dtype=torch.long), torch.zeros(2, dtype=torch.int32)),
@@ -78,6 +79,59 @@ def test_reset_clears_chosen_slots(step):
     step.reset([1])
     kv = step.plan.storage["L00.kv"]
     assert kv[0].abs().sum() > 0 and kv[1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("slots", [[99], [-1], ["0"], [0.5]])
+def test_reset_refuses_slots_the_step_does_not_have(step, slots):
+    step(torch.tensor([7, 8]), torch.tensor([0, 0], dtype=torch.int32))
+    before = kv_state(step)
+    with pytest.raises(GraphcError, match=r"reset: cache slots must be integers in \[0, 4\)"):
+        step.reset(slots)                # -1 would be the scratch slot by Python's indexing
+    assert all(torch.equal(before[n], t) for n, t in kv_state(step).items())
+
+
+@pytest.mark.parametrize("batch_sizes, message", [
+    (["a"], "list of integers"), (8, "list of integers"), ([1.5], "list of integers"), ([], "list of integers"),
+    ([True], "list of integers"), ([0, 4], "between 1 and 512"), ([1, 513], "between 1 and 512"),
+])
+def test_build_refuses_batch_sizes_that_are_not_a_list_of_sizes(batch_sizes, message):
+    with pytest.raises(GraphcError, match=message):
+        graphc.build("layer_specs/tiny.yaml", batch_sizes, device="cpu", progress=None)
+
+
+@pytest.mark.parametrize("device", ["gpu", "mps", "tpu:0"])
+def test_build_refuses_a_device_graphc_does_not_run_on(device):
+    with pytest.raises(GraphcError, match=f"device {device!r}: graphc runs on 'cuda'"):
+        graphc.build("layer_specs/tiny.yaml", [1], device=device, progress=None)
+
+
+def test_a_cpu_build_applies_and_checks_implementation_choices():
+    """The choices mean the same on the CPU as on a GPU: the schedules say what a GPU would run,
+    and a misspelt kind or implementation is refused rather than ignored."""
+    chosen = graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None,
+                          implementations={"linear": "cublas", "L01.attn.attention": "torch"})
+    kernels = chosen.schedule_for(1).kernels
+    assert {k.impl for k in kernels if k.op.kind == "linear"} == {"cublas"}
+    for bad, message in [({"lienar": "cublas"}, "did you mean linear"),
+                         ({"linear": "cublass"}, "no implementation 'cublass'"),
+                         ({"L09.mlp.down": "cute"}, "neither an op kind nor a node")]:
+        with pytest.raises(GraphcError, match=message):
+            graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, implementations=bad)
+
+
+def test_a_cpu_build_larger_than_host_memory_is_refused_before_allocating(tmp_path):
+    spec = tmp_path / "huge_context.yaml"
+    spec.write_text(open("layer_specs/tiny.yaml").read().replace("max_context: 256", "max_context: 100000000"))
+    with pytest.raises(GraphcError, match=r"needs \d+\.\d GB of host memory: .*KV cache .*this host has "
+                                          r".* GB free\. No batch size fits: lower model\.max_context"):
+        graphc.build(spec, [1], device="cpu", progress=None)
+
+
+def test_a_weights_file_that_is_not_safetensors_is_refused(tmp_path):
+    (tmp_path / "w.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(GraphcError, match="w.safetensors: not a readable safetensors file"):
+        graphc.build("layer_specs/tiny.yaml", [1], weights=tmp_path / "w.safetensors", device="cpu",
+                     progress=None)
 
 
 def test_weight_reload_is_seen_by_the_next_step(tmp_path, step):

@@ -1,7 +1,10 @@
 """The PDL schedule: every shipped spec's schedule is safe, and planted unsafe ones are refused."""
 
+import importlib.util
+
 import pytest
 
+from graphc.errors import GraphcError
 from graphc.graph import build_graph
 from graphc.ops.base import PdlTraits
 from graphc.schedule import Schedule, UnsafeSchedule, build_schedule, known_complete, verify
@@ -205,6 +208,30 @@ def test_attention_default_follows_the_batch_size(tiny):
     large = build_schedule(tiny, GEMM, batch=TMA_MIN_BATCH).kernel("L01.attn.attention")
     assert small.impl != "tma"
     assert large.impl == ("tma" if importlib.util.find_spec("cutlass") else small.impl)
+
+
+@pytest.mark.parametrize("head_dim, default", [(96, "torch"), (8, "torch"), (64, "triton")])
+def test_attention_kernels_only_get_head_dims_they_compile(tmp_path, head_dim, default):
+    """A head_dim the spec allows but a kernel cannot compile (the Triton kernel's tl.arange
+    takes powers of two, the TMA kernel 128 or 256) gets the torch attention by default, and an
+    explicit choice of that kernel is refused, naming the node and the rule."""
+    text = open("layer_specs/tiny.yaml").read().replace("head_dim: 128", f"head_dim: {head_dim}")
+    path = tmp_path / "odd_heads.yaml"
+    path.write_text(text)
+    graph = build_graph(load_spec(path))
+    runs = default
+    if default == "triton" and importlib.util.find_spec("triton") is None:
+        runs = "torch"                             # a machine without Triton (CI)
+    for batch in (1, 8):
+        assert build_schedule(graph, GEMM, batch=batch).kernel("L01.attn.attention").impl == runs
+    with pytest.raises(GraphcError, match=r"L00\.attn\.attention: implementation 'tma' cannot run .*"
+                                          rf"head_dim 128 or 256.*found head_dim {head_dim}"):
+        build_schedule(graph, {**GEMM, "decode_attention": "tma"})
+    if default == "torch":
+        with pytest.raises(GraphcError, match=rf"'triton' cannot run .*power-of-two head_dim.*found {head_dim}"):
+            build_schedule(graph, {"L01.attn.attention": "triton"})
+        chosen, _, schedules = _schedules_for(graph, (8, 0))
+        assert all(s.kernel("L01.attn.attention").impl == "torch" for s in schedules)
 
 
 # --- implementations a GPU can run ------------------------------------------------------------

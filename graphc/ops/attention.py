@@ -69,6 +69,12 @@ def tma_supports(heads: int, kv_heads: int, head_dim: int, max_context: int) -> 
             and head_dim in (128, 256) and max_context % 64 == 0 and max_context > 0)
 
 
+def triton_supports(head_dim: int) -> bool:
+    """The head dims kernels/decode_attention.py compiles: tl.arange and tl.dot need a power
+    of two of at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def _triton_available() -> bool:
     return (importlib.util.find_spec("triton") is not None
             and importlib.util.find_spec("graphc.kernels.decode_attention") is not None)
@@ -95,10 +101,18 @@ class DecodeAttentionOp(Op):
         """The TMA kernel from TMA_MIN_BATCH rows (where the shape allows it and CuTe DSL is
         installed), the Triton kernel below and when no batch size is known."""
         tma = self.implementations["tma"]
-        if (batch is not None and batch >= TMA_MIN_BATCH and tma.available()
-                and tma_supports(self.heads, self.kv_heads, self.head_dim, self.max_context)):
+        if batch is not None and batch >= TMA_MIN_BATCH and tma.available() and self.unsupported("tma") is None:
             return "tma"
         return super().default_implementation(batch)
+
+    def unsupported(self, impl: str) -> str | None:
+        if impl == "tma" and not tma_supports(self.heads, self.kv_heads, self.head_dim, self.max_context):
+            return ("the TMA kernel takes head_dim 128 or 256, up to 32 query heads per KV head and "
+                    f"max_context a multiple of 64; found head_dim {self.head_dim}, "
+                    f"{self.heads} heads over {self.kv_heads} KV heads, max_context {self.max_context}")
+        if impl == "triton" and not triton_supports(self.head_dim):
+            return f"the Triton kernel takes a power-of-two head_dim of at least 16; found {self.head_dim}"
+        return None
 
     def params(self):
         return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,

@@ -146,11 +146,18 @@ class Op:
     def traits(self, impl: str) -> PdlTraits:
         return self.implementations[impl].traits
 
+    def unsupported(self, impl: str) -> str | None:
+        """Why implementation ``impl`` cannot run this op's shape, or None where it can. Ops
+        whose kernels take only some shapes override it; the scheduler refuses such a choice
+        and never makes it by default."""
+        return None
+
     def default_implementation(self, batch: int | None = None) -> str:
         """The implementation a captured ``batch`` size gets (None: no batch size known): the
-        first available one. Ops whose best implementation depends on the batch override it."""
+        first available one that runs this shape. Ops whose best implementation depends on the
+        batch override it."""
         for name, impl in self.implementations.items():
-            if impl.available():
+            if impl.available() and self.unsupported(name) is None:
                 return name
         raise RuntimeError(f"no implementation of {self.kind} is available")
 
