@@ -3,12 +3,15 @@
     python3 bench/step_ab.py layer_specs/kimi_k3_dense_8l.yaml --batch-sizes 1,8,32 \\
         --variant pf8:l2_prefetch=8 --variant pf8_s6:l2_prefetch=8,stages=6
     python3 bench/step_ab.py SPEC --variant pf8_qkv:l2_prefetch=8@attn.qkv   # one role only
+    python3 bench/step_ab.py SPEC --batch-sizes 1 --variant c256:attention.chunk=256
 
 A micro-benchmark runs one kernel after itself; the step is what ships. So a knob of
 kernels/gemm.py (its TUNING_KNOBS) is decided here: every variant passes its knobs to the
 decode GEMMs of the step (or, with ``@role,role``, only to those roles: ``attn.qkv``,
 ``mlp.gate_up``, ``lm_head``; a role is a node name without its layer prefix), beside the
-shipped defaults ('shipped'). All variants share one set of weights and are captured once
+shipped defaults ('shipped'). ``attention.KNOB`` sets a tiling argument of the Triton attention
+(kernels/decode_attention.py: chunk, block_n, num_warps, num_stages; the one-row default) for
+every attention call it makes. All variants share one set of weights and are captured once
 each; every round replays each variant in turn (``graphc.bench.time_replays``: the median
 of 100 replays), so a board that slows down or caps its power hits every variant alike.
 
@@ -27,11 +30,15 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 SHIPPED = "shipped"
+ATTENTION = "attention."
+ATTENTION_KNOBS = ("chunk", "block_n", "num_warps", "num_stages")   # kernels/decode_attention.py
 
 
 def parse_variant(text: str) -> tuple[str, dict, set | None]:
-    """``name:knob=v,knob=v[@role,role]`` -> (name, knobs, roles or None for every role)."""
+    """``name:knob=v,knob=v[@role,role]`` -> (name, knobs, roles or None for every GEMM role)."""
     from graphc.kernels.gemm import LINEAR_KNOBS
+
+    known = (*LINEAR_KNOBS, *(ATTENTION + k for k in ATTENTION_KNOBS))
 
     name, sep, rest = text.partition(":")
     if not sep or not name or name == SHIPPED:
@@ -41,31 +48,46 @@ def parse_variant(text: str) -> tuple[str, dict, set | None]:
     knobs = {}
     for item in filter(None, knob_text.split(",")):
         knob, eq, value = item.partition("=")
-        if not eq or knob not in LINEAR_KNOBS:
-            raise SystemExit(f"--variant {text!r}: {item!r} is not KNOB=V with KNOB one of {LINEAR_KNOBS}")
+        if not eq or knob not in known:
+            raise SystemExit(f"--variant {text!r}: {item!r} is not KNOB=V with KNOB one of {', '.join(known)}")
         knobs[knob] = int(value)
     roles = set(filter(None, role_text.split(","))) or None
     return name, knobs, roles
 
 
 @contextlib.contextmanager
-def decode_gemm_knobs(knobs: dict, roles: set | None, role_of_weight: dict):
-    """While open, the decode GEMM (``graphc.kernels.gemm.linear``, which graphc's linear op
-    imports at each launch) gets ``knobs`` for the weights of ``roles`` (None: all)."""
-    from graphc.kernels import gemm
+def step_knobs(knobs: dict, roles: set | None, role_of_weight: dict):
+    """While open, the decode GEMM (``graphc.kernels.gemm.linear``) gets the GEMM knobs of
+    ``knobs`` for the weights of ``roles`` (None: all), and the Triton attention
+    (``graphc.kernels.decode_attention.decode_attention``) the ``attention.`` ones. graphc's
+    ops import both at each launch, so a build made meanwhile captures the variant."""
+    import importlib
 
-    shipped_linear = gemm.linear
+    gemm_knobs = {k: v for k, v in knobs.items() if not k.startswith(ATTENTION)}
+    attention_knobs = {k[len(ATTENTION):]: v for k, v in knobs.items() if k.startswith(ATTENTION)}
+    patched = []
 
-    def linear(x, weight, out, **kwargs):
-        if roles is None or role_of_weight.get(weight.data_ptr()) in roles:
-            kwargs = {**knobs, **kwargs}
-        shipped_linear(x, weight, out, **kwargs)
+    def patch(module_name: str, name: str, applies):
+        module = importlib.import_module(module_name)
+        shipped = getattr(module, name)
 
-    gemm.linear = linear
+        def launch(*args, **kwargs):
+            extra = applies(*args)
+            shipped(*args, **({**extra, **kwargs} if extra else kwargs))
+
+        setattr(module, name, launch)
+        patched.append((module, name, shipped))
+
+    if gemm_knobs:
+        patch("graphc.kernels.gemm", "linear", lambda x, weight, out: gemm_knobs if (
+            roles is None or role_of_weight.get(weight.data_ptr()) in roles) else None)
+    if attention_knobs:
+        patch("graphc.kernels.decode_attention", "decode_attention", lambda *args: attention_knobs)
     try:
         yield
     finally:
-        gemm.linear = shipped_linear
+        for module, name, shipped in patched:
+            setattr(module, name, shipped)
 
 
 def main(argv=None) -> int:
@@ -97,7 +119,7 @@ def main(argv=None) -> int:
     role_of_weight = {t.data_ptr(): role(name.rsplit(".", 1)[0]) for name, t in weights.tensors.items()}
     steps = {SHIPPED: build(spec, batch_sizes, weights=weights, progress=None)}
     for name, knobs, roles in variants:
-        with decode_gemm_knobs(knobs, roles, role_of_weight):
+        with step_knobs(knobs, roles, role_of_weight):
             steps[name] = build(spec, batch_sizes, weights=weights, progress=None)
 
     floor_bw = device_floor_bandwidth()["hbm_bytes_per_s"]

@@ -189,7 +189,8 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     assert step_ab.parse_variant("pf8:l2_prefetch=8,stages=6@attn.qkv,lm_head") == (
         "pf8", {"l2_prefetch": 8, "stages": 6}, {"attn.qkv", "lm_head"})
     assert step_ab.parse_variant("pf16:l2_prefetch=16") == ("pf16", {"l2_prefetch": 16}, None)
-    for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9"):
+    assert step_ab.parse_variant("c256:attention.chunk=256") == ("c256", {"attention.chunk": 256}, None)
+    for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9", "x:attention.heads=2"):
         with pytest.raises(SystemExit, match="--variant"):
             step_ab.parse_variant(bad)
 
@@ -198,11 +199,23 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     shipped = gemm.linear
     qkv, down = torch.zeros(2), torch.zeros(3)
     roles = {qkv.data_ptr(): "attn.qkv", down.data_ptr(): "mlp.down"}
-    with step_ab.decode_gemm_knobs({"l2_prefetch": 8}, {"attn.qkv"}, roles):
+    with step_ab.step_knobs({"l2_prefetch": 8}, {"attn.qkv"}, roles):
         gemm.linear(None, qkv, None, epilogue=None)
         gemm.linear(None, down, None, epilogue=None)
-    with step_ab.decode_gemm_knobs({"stages": 6}, None, roles):
+    with step_ab.step_knobs({"stages": 6}, None, roles):
         gemm.linear(None, down, None, use_pdl=True)
     assert gemm.linear is shipped
     assert [kw for _, kw in calls] == [{"l2_prefetch": 8, "epilogue": None}, {"epilogue": None},
                                        {"stages": 6, "use_pdl": True}]
+
+    # attention.KNOB reaches the Triton attention (a stand-in module here: CI has no Triton).
+    import sys
+    import types
+
+    fake = types.ModuleType("graphc.kernels.decode_attention")
+    fake.decode_attention = lambda *args, **kw: calls.append(("attention", kw))
+    monkeypatch.setitem(sys.modules, "graphc.kernels.decode_attention", fake)
+    with step_ab.step_knobs({"attention.chunk": 256}, {"attn.qkv"}, roles):
+        fake.decode_attention(1, 2, heads=8)
+        gemm.linear(None, qkv, None)                # no GEMM knob in this variant
+    assert calls[-2:] == [("attention", {"chunk": 256, "heads": 8}), (qkv, {})]
