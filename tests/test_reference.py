@@ -109,3 +109,22 @@ def test_attn_res_reference_matches_eager_definition(nb, has_delta, final):
         assert (out[t].float() == o).float().mean() > 0.95
     untouched = [b for b in range(NB) if b != write]
     assert torch.equal(got_blocks[:, untouched], blocks[:, untouched])
+
+
+def test_write_output_is_exact_for_every_bf16_value():
+    """Torch implementations end with write_output (a kernel, never a memcpy node, so a PDL
+    edge after them stays programmatic when captured): it must store exactly what a copy
+    stores, -0, infinities and NaN included, and round fp32 as .to(bfloat16) does."""
+    import torch
+
+    from graphc.ops.base import write_output
+
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    every = bits.view(torch.bfloat16)
+    out = torch.empty_like(every)
+    write_output(out, every)
+    same = (out.view(torch.int16) == bits) | (torch.isnan(out) & torch.isnan(every))
+    assert same.all()
+    wide = torch.randn(4096, dtype=torch.float32) * 1e3
+    write_output(out[:4096], wide)
+    assert torch.equal(out[:4096], wide.to(torch.bfloat16))

@@ -152,6 +152,40 @@ def test_tiny_step_and_profile(tmp_path):
     write_schedule_html(step.schedule, tmp_path / "t.html", profile=prof)
 
 
+@pytest.mark.parametrize("head_dim, attention", [(64, "triton"), (96, "torch")])
+def test_head_dims_a_kernel_cannot_compile_run_on_another_attention(tmp_path, head_dim, attention):
+    """The spec allows any head_dim that is a multiple of 8; the TMA attention takes 128 / 256
+    and the Triton one powers of two, so these build with the next implementation that runs
+    them (Op.unsupported) and give the reference's logits, two steps deep."""
+    path = tmp_path / f"tiny_head_dim_{head_dim}.yaml"
+    path.write_text(open("layer_specs/tiny.yaml").read().replace("head_dim: 128", f"head_dim: {head_dim}"))
+    step = graphc.build(path, batch_sizes=[1, 4], progress=None)
+    for b in (1, 4):
+        assert step.schedule_for(b).kernel("L01.attn.attention").impl == attention
+    ref = reference_twin(step)
+    slots = torch.arange(3, dtype=torch.int32).cuda()
+    tokens = torch.tensor([4, 5, 6]).cuda()
+    for pos in range(2):
+        lens = torch.full((3,), pos, dtype=torch.int32).cuda()
+        got = step(tokens, lens, slots).clone()
+        check_logits(got, reference_call(ref, tokens, lens, slots))
+        tokens = got.float().argmax(-1)
+
+
+def test_torch_implementations_capture_beside_the_hopper_kernels():
+    """A torch implementation, chosen or the fallback for a shape no kernel takes, may precede
+    a PDL edge (into the decode GEMM after it): it must end in a kernel node for the capture's
+    edge check to find that edge programmatic (graphc.ops.base.write_output)."""
+    step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], progress=None,
+                        implementations={"attn_res": "torch", "decode_attention": "torch"})
+    for b in (1, 4):
+        assert step.stats()[b]["pdl_edges"] > 0
+    ref = reference_twin(step)
+    tokens, lens = torch.tensor([4, 5, 6]).cuda(), torch.zeros(3, dtype=torch.int32).cuda()
+    slots = torch.arange(3, dtype=torch.int32).cuda()
+    check_logits(step(tokens, lens, slots).clone(), reference_call(ref, tokens, lens, slots))
+
+
 def test_weight_reload_reaches_the_captured_graphs(tmp_path):
     """load_weights streams a file into the weights the graphs read, one tensor at a time: the
     replayed step then gives exactly what a fresh build from the same file gives."""

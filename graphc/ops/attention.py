@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits
+from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits, write_output
 
 # The Triton kernel never waits (so it is entered through a full edge) but triggers its
 # dependents at entry: a decode GEMM after it streams weights during attention.
@@ -132,7 +132,7 @@ class DecodeAttentionOp(Op):
         scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1)
         out = torch.einsum("tkgc,tkcd->tkgd", p, vals).reshape(T, H * hd)
-        t["out"].copy_(out.to(torch.bfloat16))
+        write_output(t["out"], out)
 
     def bytes_moved(self, sizes):
         # The cached tokens actually read (sizes["context"] per row), the new K/V, q and out.

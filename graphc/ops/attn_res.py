@@ -14,7 +14,7 @@ from typing import Mapping
 import torch
 
 from .attn_res_math import attn_res_reference
-from .base import Implementation, Op, PdlTraits
+from .base import Implementation, Op, PdlTraits, write_output
 
 # The CuTe DSL kernel: launch_dependents at entry, wait right before the delta is read,
 # saved blocks and weights read in the prologue, every step-written load bypasses L1.
@@ -89,7 +89,7 @@ class AttnResOp(Op):
             nb=self.nb, has_delta=self.has_delta, write=self.write, final=self.final,
             eps=self.eps, out_eps=self.out_eps,
         )
-        t["out"].copy_(out)
+        write_output(t["out"], out)
 
     def bytes_moved(self, sizes):
         # Rows touched, not whole buffers: nb saved blocks, prefix in/out, delta, output,

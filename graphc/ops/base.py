@@ -78,6 +78,19 @@ class PdlTraits:
 LIBRARY_KERNEL = PdlTraits(waits=False, trigger="exit")
 
 
+def write_output(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` by a kernel. A torch implementation ends with this, not with a plain
+    ``copy_``: between tensors of one dtype that is a memcpy, captured as a memcpy node, and the
+    launch after a memcpy node gets a full edge even with the PDL attribute, so the captured
+    graph would not have the PDL edge the schedule chose (graphc/capture.py refuses it). A
+    copy that converts the dtype is a kernel, so fp32 -> bf16 goes straight through; the
+    multiplication by one is exact in bf16 (-0 and NaN included)."""
+    if dst.dtype != src.dtype:
+        dst.copy_(src)
+    else:
+        torch.mul(src, 1, out=dst)
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One way to run an op on the GPU: its PDL traits and how to launch it.

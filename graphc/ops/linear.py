@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits
+from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits, write_output
 
 
 def output_width(n: int, epilogue: str | None) -> int:
@@ -39,7 +39,7 @@ def silu_mul_reference(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     op's reference passes the fp32 projection, the cuBLAS path without Triton its bf16 one)."""
     i = out.shape[1]
     y = gate_up.float()
-    out.copy_((F.silu(y[:, :i]) * y[:, i:]).to(out.dtype))
+    write_output(out, F.silu(y[:, :i]) * y[:, i:])
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +140,7 @@ class LinearOp(Op):
         # rounding, within an ulp of the projection).
         y = t["x"].float() @ w["weight"].float().t()
         if self.epilogue is None:
-            t["out"].copy_(y.to(torch.bfloat16))
+            write_output(t["out"], y)
         else:
             silu_mul_reference(y, t["out"])
 
