@@ -131,6 +131,10 @@ def cmd_build(args) -> int:
     ctx = _context(spec, args.context)
     if args.weights:
         check_weights(args.weights, weight_shapes(graph))
+    wbytes = weight_bytes(graph)
+    reference = args.reference or (args.reference is None and wbytes <= SMALL_MODEL_BYTES)
+    if reference:
+        _check_reference_fits(schedule, sizes[0], args.weights)
     names_file = Path(args.write_weight_names) if args.write_weight_names else None
     if names_file and not names_file.parent.is_dir():
         raise GraphcError(f"--write-weight-names {names_file}: no folder {names_file.parent}")
@@ -144,7 +148,6 @@ def cmd_build(args) -> int:
         names_file.write_text("".join(f"{name}\t{list(shape)}\n" for name, shape in shapes.items()))
         _progress(f"wrote {len(shapes)} weight names to {names_file}")
 
-    wbytes = weight_bytes(graph)
     _say(f"{spec.model.name}: {_plural(len(spec.layers), 'layer')}, residual {spec.residual.kind}"
          + (f" (block size {spec.residual.block_size}, {_plural(spec.num_blocks(), 'block')})"
             if spec.residual.kind == "attn_res" else ""))
@@ -160,8 +163,8 @@ def cmd_build(args) -> int:
         _say(f"    batch {b:4d}: {step_floor_s(schedule, b, ctx) * 1e6:10.1f} us")
     _say(f"  wrote {out}/graph.json, schedule.txt, graph.svg, schedule.html (batch {sizes[0]})")
 
-    if args.reference or (args.reference is None and wbytes <= SMALL_MODEL_BYTES):
-        _reference_step(spec, schedule, args.batch_sizes[0], args.weights)
+    if reference:
+        _reference_step(spec, schedule, sizes[0], args.weights)
 
     if capture:
         from .bench import bench_step, format_step_table
@@ -172,18 +175,27 @@ def cmd_build(args) -> int:
     return 0
 
 
-def _reference_step(spec, schedule, batch, weights_path):
-    import torch
-
+def _check_reference_fits(schedule, batch, weights_path):
+    """Refuse a CPU reference step whose buffers and weights cannot fit in host memory."""
     from .graph import weight_shapes
-    from .plan import Plan, check_fits
-    from .reference import reference_step
+    from .plan import check_fits
     from .runtime import host_free_bytes
-    from .weights import Weights, random_init_temporary_bytes
+    from .weights import random_init_temporary_bytes
 
     shapes = weight_shapes(schedule.graph)
     check_fits(schedule, batch, host_free_bytes(), "this host", memory="host memory",
                transient_bytes=0 if weights_path else random_init_temporary_bytes(shapes))
+
+
+def _reference_step(spec, schedule, batch, weights_path):
+    import torch
+
+    from .graph import weight_shapes
+    from .plan import Plan
+    from .reference import reference_step
+    from .weights import Weights
+
+    shapes = weight_shapes(schedule.graph)
     weights = Weights.load(weights_path, shapes) if weights_path else Weights.random(shapes)
     plan = Plan(schedule, batch, weights)
     tokens = torch.arange(batch) % spec.model.vocab

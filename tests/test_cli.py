@@ -109,7 +109,8 @@ def _garbage_weights(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("case", ["not safetensors", "wrong names", "names folder missing", "out is a file"])
+@pytest.mark.parametrize("case", ["not safetensors", "wrong names", "names folder missing", "out is a file",
+                                  "reference too large"])
 def test_a_refused_build_writes_nothing(tmp_path, case):
     """Whatever a build needs is checked before its first file is written, with or without the
     reference step that reads the weights."""
@@ -128,9 +129,14 @@ def test_a_refused_build_writes_nothing(tmp_path, case):
     elif case == "names folder missing":
         argv += ["--write-weight-names", str(tmp_path / "nowhere" / "names.txt")]
         message = f"no folder {tmp_path / 'nowhere'}"
-    else:
+    elif case == "out is a file":
         out.write_text("a file")
         message = f"--out {out}: a file of that name is in the way"
+    else:                               # the reference step's KV cache: 820 GB of host memory
+        spec = tmp_path / "huge_context.yaml"
+        spec.write_text(open(TINY).read().replace("max_context: 256", "max_context: 100000000"))
+        argv = ["build", str(spec), "--out", str(out), "--reference"]
+        message = "GB of host memory"
     r = run_cli(*argv)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert message in r.stderr.splitlines()[-1]
