@@ -1,4 +1,4 @@
-"""Decode-GEMM knobs A/B inside the whole decode step, in one process.
+"""Decode-GEMM and attention knobs A/B inside the whole decode step, in one process.
 
     python3 bench/step_ab.py layer_specs/kimi_k3_dense_8l.yaml --batch-sizes 1,8,32 \\
         --variant pf8:l2_prefetch=8 --variant pf8_s6:l2_prefetch=8,stages=6
