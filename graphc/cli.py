@@ -39,21 +39,22 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _batch(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        b = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}")
+
+
+def _batch(text: str) -> int:
+    b = _integer(text)
     if not 1 <= b <= MAX_BATCH:
         raise argparse.ArgumentTypeError(f"a batch size is between 1 and {MAX_BATCH}, found {b}")
     return b
 
 
 def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}")
+    n = _integer(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, found {n}")
     return n
@@ -106,7 +107,7 @@ def cmd_build(args) -> int:
     from .floor import step_floor_s
     from .graph import weight_bytes, weight_shapes
     from .plan import DEVICE_HEADROOM_BYTES, memory_layout
-    from .runtime import gpu_implementations
+    from .runtime import check_memory, gpu_implementations
     from .weights import check_weights
     from .viz import write_dataflow_svg, write_schedule_html
 
@@ -133,8 +134,8 @@ def cmd_build(args) -> int:
         check_weights(args.weights, weight_shapes(graph))
     wbytes = weight_bytes(graph)
     reference = args.reference or (args.reference is None and wbytes <= SMALL_MODEL_BYTES)
-    if reference:
-        _check_reference_fits(schedule, sizes[0], args.weights)
+    if reference:     # the CPU reference step must fit in host memory
+        check_memory(schedule, sizes[0], torch.device("cpu"), args.weights)
     names_file = Path(args.write_weight_names) if args.write_weight_names else None
     if names_file and not names_file.parent.is_dir():
         raise GraphcError(f"--write-weight-names {names_file}: no folder {names_file.parent}")
@@ -173,18 +174,6 @@ def cmd_build(args) -> int:
                           use_pdl=not args.no_pdl, progress=_progress)
         _say(format_step_table(rows))
     return 0
-
-
-def _check_reference_fits(schedule, batch, weights_path):
-    """Refuse a CPU reference step whose buffers and weights cannot fit in host memory."""
-    from .graph import weight_shapes
-    from .plan import check_fits
-    from .runtime import host_free_bytes
-    from .weights import random_init_temporary_bytes
-
-    shapes = weight_shapes(schedule.graph)
-    check_fits(schedule, batch, host_free_bytes(), "this host", memory="host memory",
-               transient_bytes=0 if weights_path else random_init_temporary_bytes(shapes))
 
 
 def _reference_step(spec, schedule, batch, weights_path):

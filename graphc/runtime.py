@@ -244,15 +244,11 @@ def gpu_implementations(graph, dev: torch.device, implementations: dict | None =
 
 def batch_size_list(batch_sizes) -> list[int]:
     """The distinct captured batch sizes, sorted; refuses anything but integers in 1..MAX_BATCH."""
-    import numbers
+    from collections.abc import Iterable
+    from numbers import Integral
 
-    items = [batch_sizes] if isinstance(batch_sizes, (str, bytes, numbers.Number)) else batch_sizes
-    try:
-        items = list(items)
-    except TypeError:
-        items = [batch_sizes]
-    bad = [b for b in items if not isinstance(b, numbers.Integral) or isinstance(b, bool)]
-    if not items or bad or isinstance(batch_sizes, (str, bytes, numbers.Number)):
+    items = list(batch_sizes) if isinstance(batch_sizes, Iterable) and not isinstance(batch_sizes, str) else []
+    if not items or any(not isinstance(b, Integral) or isinstance(b, bool) for b in items):
         raise GraphcError(f"batch_sizes must be a list of integers, e.g. [1, 8, 64]; found {batch_sizes!r}")
     sizes = sorted({int(b) for b in items})
     if sizes[0] < 1 or sizes[-1] > MAX_BATCH:
@@ -289,6 +285,20 @@ def host_free_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def check_memory(schedule: Schedule, max_batch: int, dev: torch.device, weights) -> None:
+    """Refuse a build on ``dev`` (a GPU, or the host for the reference executor) whose buffers
+    and weights cannot fit there, before anything is allocated (``plan.check_fits``).
+    ``weights`` as ``build`` takes them: None (seeded random, with its temporaries), a file,
+    or a ``Weights`` already there."""
+    if dev.type == "cuda":
+        free, where, memory = torch.cuda.mem_get_info(dev)[0], _gpu_name(dev), "GPU memory"
+    else:
+        free, where, memory = host_free_bytes(), "this host", "host memory"
+    check_fits(schedule, max_batch, free, where, memory=memory,
+               new_weight_bytes=0 if isinstance(weights, Weights) else None,
+               transient_bytes=random_init_temporary_bytes(weight_shapes(schedule.graph)) if weights is None else 0)
+
+
 def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4, 8),
           weights: Weights | str | os.PathLike | None = None, device: str = "cuda",
           implementations: dict | None = None, use_pdl: bool = True, seed: int = 0,
@@ -308,11 +318,7 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     schedules = {b: build_schedule(graph, chosen, use_pdl, batch=b) for b in sizes}
     shapes = weight_shapes(graph)
     # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
-    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else host_free_bytes()
-    check_fits(schedules[sizes[-1]], sizes[-1], free, _gpu_name(dev) if dev.type == "cuda" else "this host",
-               new_weight_bytes=0 if isinstance(weights, Weights) else None,
-               transient_bytes=random_init_temporary_bytes(shapes) if weights is None else 0,
-               memory="GPU memory" if dev.type == "cuda" else "host memory")
+    check_memory(schedules[sizes[-1]], sizes[-1], dev, weights)
     t0 = time.perf_counter()
     if weights is None:
         weights = Weights.random(shapes, seed=seed, device=dev)
