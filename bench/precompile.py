@@ -27,7 +27,6 @@ import argparse
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -164,14 +163,6 @@ def prune(jobs: list[tuple]) -> tuple[int, int]:
     return len(removed), size
 
 
-def _compile(job: tuple) -> float:
-    name, key = job
-    cache = kernel_modules()[name].compile_cache()
-    t0 = time.perf_counter()
-    cache.get(key)
-    return time.perf_counter() - t0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -190,10 +181,16 @@ def main() -> None:
     print(f"{counts['gemm']} stream-K and {counts['gemm_wide']} whole-K decode-GEMM, {counts['attn_res']} "
           f"AttnRes and {counts['attention']} attention variants -> "
           f"{os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
+    from graphc.compile_ahead import compile_ahead, kernel_cache, uncached
+    from graphc.kernels.compile_cache import reporting_compiles
+
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(args.jobs) as pool:
-        for i, (job, secs) in enumerate(zip(jobs, pool.map(_compile, jobs)), 1):
-            print(f"[{i:3d}/{len(jobs)}] {secs:5.1f} s  {job[0]} {job[1]}", flush=True)
+    modules = kernel_modules()
+    variants = [(modules[name].__name__, key) for name, key in jobs]
+    compile_ahead(variants, args.jobs, lambda s: print(s, flush=True))
+    with reporting_compiles(lambda s: print(s, flush=True)):    # --jobs 1, or what a worker failed
+        for module, key in uncached(variants):
+            kernel_cache(module).get(key)
     print(f"done in {time.perf_counter() - t0:.0f} s")
     if args.prune:
         files, size = prune(jobs)

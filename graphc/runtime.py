@@ -8,6 +8,7 @@ the same API runs the reference executor instead of graphs (for tests and small 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -299,13 +300,28 @@ def check_memory(schedule: Schedule, max_batch: int, dev: torch.device, weights)
                transient_bytes=random_init_temporary_bytes(weight_shapes(schedule.graph)) if weights is None else 0)
 
 
+def _compiling_kernels_ahead(schedules: dict[int, Schedule], dev: torch.device, jobs: int | None,
+                             progress: Callable[[str], None]):
+    """On a GPU, the kernel variants the schedules need and no cache holds compile in worker
+    processes while the body runs (graphc/compile_ahead.py); on the CPU nothing compiles."""
+    if dev.type != "cuda":
+        return contextlib.nullcontext()
+    from .compile_ahead import compiling_ahead, schedule_variants
+
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return compiling_ahead(schedule_variants(schedules, sms), jobs, progress)
+
+
 def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4, 8),
           weights: Weights | str | os.PathLike | None = None, device: str = "cuda",
           implementations: dict | None = None, use_pdl: bool = True, seed: int = 0,
-          progress: Callable[[str], None] | None = _log) -> DecodeStep:
+          progress: Callable[[str], None] | None = _log, compile_jobs: int | None = None) -> DecodeStep:
     """Validate, schedule, plan, compile and capture: one CUDA graph per batch size.
 
     weights: None (seeded random), a safetensors path, or a ``Weights`` on ``device``.
+    compile_jobs: processes compiling uncached kernel variants while the weights load (None:
+    ``GRAPHC_COMPILE_JOBS``, else the CPU count up to 8; 0 or 1: the warm-up compiles them;
+    graphc/compile_ahead.py). Meanwhile ``progress`` also hears from a background thread.
     """
     progress = progress or (lambda s: None)
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
@@ -319,12 +335,13 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     shapes = weight_shapes(graph)
     # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
     check_memory(schedules[sizes[-1]], sizes[-1], dev, weights)
-    t0 = time.perf_counter()
-    if weights is None:
-        weights = Weights.random(shapes, seed=seed, device=dev)
-    elif not isinstance(weights, Weights):
-        weights = Weights.load(weights, shapes, dev)
-    progress(f"weights: {weights.nbytes() / 1e9:.2f} GB ({weights.origin}) in {time.perf_counter() - t0:.1f} s")
+    with _compiling_kernels_ahead(schedules, dev, compile_jobs, progress):   # while the weights load
+        t0 = time.perf_counter()
+        if weights is None:
+            weights = Weights.random(shapes, seed=seed, device=dev)
+        elif not isinstance(weights, Weights):
+            weights = Weights.load(weights, shapes, dev)
+        progress(f"weights: {weights.nbytes() / 1e9:.2f} GB ({weights.origin}) in {time.perf_counter() - t0:.1f} s")
     plan = Plan(schedules[sizes[-1]], sizes[-1], weights, dev)
     graphs = None
     if dev.type == "cuda":
@@ -334,6 +351,6 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
             progress(f"batch {b}: {s.describe()}")
         from .kernels.compile_cache import reporting_compiles
 
-        with reporting_compiles(progress):      # kernels compile on first use, in the warm-up
+        with reporting_compiles(progress):      # what is still uncompiled compiles in the warm-up
             graphs = capture_all(plan, schedules, progress)
     return DecodeStep(schedules, plan, graphs)

@@ -532,6 +532,12 @@ def static_key(hidden: int, nb: int, has_delta: bool, final: bool) -> tuple:
     return (int(hidden), int(nb), bool(has_delta), bool(final))
 
 
+def compiled_variant(hidden: int, nb: int, has_delta: bool, final: bool) -> tuple[str, tuple]:
+    """(kernel module, compile-cache key) of the kernel ``attn_res`` loads for this
+    configuration (graphc/compile_ahead.py compiles it ahead)."""
+    return __name__, static_key(hidden, nb, has_delta, final)
+
+
 def _build(hidden: int, nb: int, has_delta: bool, final: bool, options: str = ""):
     kernel = AttnResKernel(hidden, nb, has_delta, final)
     if options:

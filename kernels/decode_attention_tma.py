@@ -129,6 +129,19 @@ class AttentionConfig:
                 f"stages={self.stages})")
 
 
+def config(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int,
+           chunk: int | None = None, stages: int | None = None) -> AttentionConfig:
+    """The kernel a call of ``rows`` rows runs: the default chunk and stages unless given."""
+    return AttentionConfig(rows, heads, kv_heads, head_dim, max_context, chunk or default_chunk(rows),
+                           stages or default_stages(rows))
+
+
+def compiled_variant(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int) -> tuple[str, tuple]:
+    """(kernel module, compile-cache key) of the kernel ``decode_attention`` loads for a call of
+    ``rows`` rows with the default tiling (graphc/compile_ahead.py compiles it ahead)."""
+    return __name__, config(rows, heads, kv_heads, head_dim, max_context).key()
+
+
 def check_shape(heads: int, kv_heads: int, head_dim: int, max_context: int) -> None:
     """Raise ValueError naming the rule a shape breaks."""
     if kv_heads <= 0 or heads % kv_heads:
@@ -568,8 +581,7 @@ def compile_attention(rows: int, heads: int, kv_heads: int, head_dim: int, max_c
     """The compiled kernel for one static configuration (from the compile cache unless
     ``options`` are given, e.g. ``--keep-ptx --dump-dir D``). Works without a GPU when
     ``CUTE_DSL_ARCH=sm_90a``."""
-    cfg = AttentionConfig(rows, heads, kv_heads, head_dim, max_context, chunk or default_chunk(rows),
-                          stages or default_stages(rows))
+    cfg = config(rows, heads, kv_heads, head_dim, max_context, chunk, stages)
     if options:
         return _build(*cfg.key(), options=options)
     return _CACHE.get(cfg.key())
@@ -637,9 +649,7 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
     import torch
 
     validate(qkv, kv, seq_lens, cache_slots, out, heads, kv_heads, head_dim)
-    T = qkv.shape[0]
-    cfg = AttentionConfig(T, heads, kv_heads, head_dim, kv.shape[3], chunk or default_chunk(T),
-                          stages or default_stages(T))
+    cfg = config(qkv.shape[0], heads, kv_heads, head_dim, kv.shape[3], chunk, stages)
     fn = _CACHE.get(cfg.key())
     partials, counters = _workspace(cfg, qkv.device)
     if stream is None:

@@ -1279,6 +1279,15 @@ def cache_of(cfg):
     return gemm_wide.compile_cache() if isinstance(cfg, gemm_wide.WideGemmConfig) else _CACHE
 
 
+def compiled_variant(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS) -> tuple[str, tuple]:
+    """(kernel module, compile-cache key) of the kernel ``linear`` loads for this call with
+    default tuning on ``ctas`` SMs, so that a build can compile it ahead
+    (graphc/compile_ahead.py)."""
+    cfg = _config(m, k, n, epilogue, ctas, ())
+    module = gemm_wide.__name__ if isinstance(cfg, gemm_wide.WideGemmConfig) else __name__
+    return module, cfg.key()
+
+
 @functools.lru_cache(maxsize=None)
 def _config(m: int, k: int, n: int, epilogue: str | None, ctas: int, tuning: tuple):
     return plan(m, k, n, epilogue, ctas, **dict(tuning))

@@ -186,6 +186,30 @@ def test_torch_implementations_capture_beside_the_hopper_kernels():
     check_logits(step(tokens, lens, slots).clone(), reference_call(ref, tokens, lens, slots))
 
 
+def test_a_cold_build_compiles_its_kernels_ahead_in_worker_processes(tmp_path, monkeypatch):
+    """With an empty disk cache, graphc.build compiles the variants its schedules need in worker
+    processes (graphc/compile_ahead.py) and the warm-up only loads them: the warm-up announces
+    no compile, and the step built from the workers' objects gives the reference's logits."""
+    import re
+
+    from graphc.compile_ahead import schedule_variants, uncached
+
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
+    heard = []
+    step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[3, 7], progress=heard.append, compile_jobs=4)
+    ahead = [m for m in heard if re.fullmatch(r"compiled (\d+) of \1 variants ahead in .* s", m)]
+    warm_up_compiles = [m for m in heard if re.match(r"compiling \w+ \(", m)]
+    assert len(ahead) == 1 and warm_up_compiles == [], heard
+    assert len(list(tmp_path.glob("*.o"))) == int(ahead[0].split()[1]) >= 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert uncached(schedule_variants(step.schedules, sms)) == []
+    ref = reference_twin(step)
+    tokens = torch.tensor([4, 5, 6, 7, 8]).cuda()
+    lens = torch.zeros(5, dtype=torch.int32).cuda()
+    slots = torch.arange(5, dtype=torch.int32).cuda()
+    check_logits(step(tokens, lens, slots).clone(), reference_call(ref, tokens, lens, slots))
+
+
 def test_weight_reload_reaches_the_captured_graphs(tmp_path):
     """load_weights streams a file into the weights the graphs read, one tensor at a time: the
     replayed step then gives exactly what a fresh build from the same file gives."""

@@ -47,6 +47,12 @@ def _launch_tma(op, t, w, stream, use_pdl):
                      kv_heads=op.kv_heads, head_dim=op.head_dim, stream=stream, use_pdl=use_pdl)
 
 
+def _tma_variants(op, batch: int, sms: int) -> list[tuple[str, tuple]]:
+    from graphc.kernels.decode_attention_tma import compiled_variant
+
+    return [compiled_variant(batch, op.heads, op.kv_heads, op.head_dim, op.max_context)]
+
+
 def _tma_available() -> bool:
     return (importlib.util.find_spec("cutlass") is not None
             and importlib.util.find_spec("graphc.kernels.decode_attention_tma") is not None)
@@ -89,7 +95,8 @@ class DecodeAttentionOp(Op):
                                  arch="sm_90"),
         "torch": Implementation("torch", LIBRARY_KERNEL, _launch_reference),
         # TMA producer warp + wgmma warpgroup (CuTe DSL); contiguous head-major cache.
-        "tma": Implementation("tma", TMA_TRAITS, _launch_tma, available=_tma_available, arch="sm_90a"),
+        "tma": Implementation("tma", TMA_TRAITS, _launch_tma, available=_tma_available, arch="sm_90a",
+                              variants=_tma_variants),
     }
 
     heads: int = 0

@@ -45,6 +45,12 @@ def _launch_cluster_kernel(op: "AttnResOp", t, w, stream, use_pdl: bool) -> None
     )
 
 
+def _cluster_kernel_variants(op: "AttnResOp", batch: int, sms: int) -> list[tuple[str, tuple]]:
+    from graphc.kernels.attn_res import compiled_variant
+
+    return [compiled_variant(op.hidden, op.nb, op.has_delta, op.final)]   # one for every batch
+
+
 def _launch_torch(op: "AttnResOp", t, w, stream, use_pdl: bool) -> None:
     op.reference(t, w)
 
@@ -58,7 +64,8 @@ class AttnResOp(Op):
     kind = "attn_res"
     implementations = {
         "cute": Implementation("cute", CLUSTER_KERNEL_TRAITS, _launch_cluster_kernel,
-                               available=_cute_available, arch="sm_90a"),
+                               available=_cute_available, arch="sm_90a",
+                               variants=_cluster_kernel_variants),
         "torch": Implementation("torch", PdlTraits(waits=False, trigger="exit"), _launch_torch),
     }
 

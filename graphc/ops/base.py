@@ -107,6 +107,11 @@ class Implementation:
     # it executes griddepcontrol) or "sm_90a" (9.0 only: CuTe DSL kernels compiled for sm_90a,
     # whose wgmma and cluster instructions no other architecture has).
     arch: str | None = None
+    # The CuTe DSL kernel variants a launch at ``batch`` rows loads, as (kernel module,
+    # compile-cache key) pairs: ``variants(op, batch, sms)``. A build compiles the ones not yet
+    # cached in parallel processes before its warm-up (graphc/compile_ahead.py). None: nothing
+    # to compile ahead (library kernels; Triton compiles in the warm-up).
+    variants: Callable | None = None
 
     def runs_on(self, capability: tuple[int, int]) -> bool:
         if self.arch is None:

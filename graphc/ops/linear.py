@@ -71,6 +71,12 @@ def _launch_decode_gemm(op: "LinearOp", t, w, stream, use_pdl: bool) -> None:
     linear(t["x"], w["weight"], t["out"], epilogue=op.epilogue, stream=stream, use_pdl=use_pdl)
 
 
+def _decode_gemm_variants(op: "LinearOp", batch: int, sms: int) -> list[tuple[str, tuple]]:
+    from graphc.kernels.gemm import compiled_variant
+
+    return [compiled_variant(batch, op.k, op.n, op.epilogue, sms)]
+
+
 def _decode_gemm_available() -> bool:
     return (importlib.util.find_spec("cutlass") is not None
             and importlib.util.find_spec("graphc.kernels.gemm") is not None)
@@ -107,7 +113,8 @@ class LinearOp(Op):
     implementations = {
         "cublas": Implementation("cublas", LIBRARY_KERNEL, _launch_cublas),
         "cute": Implementation("cute", _decode_gemm_traits(), _launch_decode_gemm,
-                               available=_decode_gemm_available, arch="sm_90a"),
+                               available=_decode_gemm_available, arch="sm_90a",
+                               variants=_decode_gemm_variants),
     }
 
     k: int = 0

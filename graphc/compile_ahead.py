@@ -1,0 +1,216 @@
+"""Compiling a build's CuTe DSL kernel variants ahead of its warm-up, in parallel processes.
+
+A first build on a machine needs dozens of kernel variants (a decode GEMM per linear shape and
+batch size, an AttnRes kernel per configuration, an attention kernel per batch size), each a
+few seconds of Python tracing, MLIR passes and ptxas, all on one core. The warm-up would compile
+them one after the other; instead ``graphc.build`` first asks every scheduled implementation
+which variants its launches load (``Implementation.variants``), and the ones found in neither
+compile cache (kernels/compile_cache.py) are compiled by worker processes into the disk cache
+while the build loads its weights. The warm-up then loads them from disk. Nothing depends on this step: a variant a worker could
+not compile is simply compiled by the warm-up in process, which reports the real error.
+
+The workers are fresh interpreters (``python -m graphc.compile_ahead``) with the parent's
+environment and import path, so they generate the same cache keys. They are not
+``multiprocessing`` children: those would re-import a user's script that calls
+``graphc.build`` at top level without a ``__main__`` guard. Each reads one variant per line on
+stdin and answers one line on stdout.
+
+``GRAPHC_COMPILE_JOBS`` sets how many workers run (default: the CPU count, at most 8; 1 or 0
+compiles in the warm-up as before). With the disk cache switched off
+(``GRAPHC_KERNEL_CACHE=0``) there is nowhere to hand the objects back, so nothing runs ahead.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable, Iterable, Iterator, Mapping
+
+Variant = tuple[str, tuple]            # (kernel module, compile-cache key)
+
+JOBS_ENV = "GRAPHC_COMPILE_JOBS"
+MAX_DEFAULT_JOBS = 8                   # each worker holds the DSL and MLIR: ~0.5-1 GB of memory
+
+
+def schedule_variants(schedules: Mapping, sms: int) -> list[Variant]:
+    """Every kernel variant the warm-up of these schedules (batch size -> Schedule) loads, each
+    once, in the warm-up's order (largest batch first). ``sms``: the GPU's SM count, which the
+    decode GEMM's partition depends on."""
+    found: dict[Variant, None] = {}
+    for batch in sorted(schedules, reverse=True):
+        for k in schedules[batch].kernels:
+            impl = k.op.implementations[k.impl]
+            if impl.variants is not None:
+                found.update(dict.fromkeys(impl.variants(k.op, batch, sms)))
+    return list(found)
+
+
+def kernel_cache(module: str):
+    """The CompileCache of a kernel module (each has a ``compile_cache()``)."""
+    return importlib.import_module(module).compile_cache()
+
+
+def uncached(variants: Iterable[Variant]) -> list[Variant]:
+    """The variants found neither in this process's compile caches nor on disk."""
+    return [(m, key) for m, key in variants if key not in kernel_cache(m) and not kernel_cache(m).path(key).is_file()]
+
+
+def default_jobs() -> int:
+    text = os.environ.get(JOBS_ENV)
+    if text:
+        try:
+            return max(int(text), 0)
+        except ValueError:
+            raise ValueError(f"{JOBS_ENV}={text!r}: expected a number of processes, e.g. 4") from None
+    return min(os.cpu_count() or 1, MAX_DEFAULT_JOBS)
+
+
+@contextlib.contextmanager
+def compiling_ahead(variants: Iterable[Variant], jobs: int | None = None,
+                    progress: Callable[[str], None] = lambda s: None) -> Iterator[None]:
+    """``compile_ahead`` in the background while the body runs (a build loads its weights
+    meanwhile, which from a file takes longer than the compiles); waits for it on exit. If the
+    body raises, the workers stop after the variant each is compiling."""
+    jobs = default_jobs() if jobs is None else jobs     # a bad setting fails before the body runs
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            compile_ahead(variants, jobs, progress, stop)
+        except BaseException as e:      # re-raised in the caller's thread below
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="graphc-compile-ahead", daemon=True)
+    thread.start()
+    try:
+        yield
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+
+
+def compile_ahead(variants: Iterable[Variant], jobs: int | None = None,
+                  progress: Callable[[str], None] = lambda s: None,
+                  stop: threading.Event | None = None) -> list[Variant]:
+    """Compile the uncached ``variants`` into the disk cache with up to ``jobs`` worker
+    processes (None: ``default_jobs()``). Returns the variants now on disk. Does nothing with
+    fewer than two to compile or fewer than two jobs: the warm-up compiles those in process.
+    Once ``stop`` is set, no worker starts another variant."""
+    from graphc.kernels.compile_cache import disk_cache_enabled
+
+    jobs = default_jobs() if jobs is None else jobs
+    todo = uncached(variants) if disk_cache_enabled() else []
+    jobs = min(jobs, len(todo))
+    if jobs < 2 or (stop is not None and stop.is_set()):
+        return []
+    t0 = time.perf_counter()
+    progress(f"compiling {len(todo)} kernel variants in {jobs} processes "
+             f"(cached on disk; {JOBS_ENV} sets how many)")
+    pending: queue.Queue = queue.Queue()
+    for variant in todo:
+        pending.put(variant)
+    done: list[Variant] = []
+    lock = threading.Lock()
+
+    def report(variant: Variant, answer: str) -> None:
+        with lock:
+            if answer.startswith("ok "):
+                done.append(variant)
+                progress(f"[{len(done):3d}/{len(todo)}] {answer[3:].strip():>5s} s  {variant[0].rsplit('.', 1)[-1]} {variant[1]}")
+            else:
+                progress(f"could not compile {variant[0]} {variant[1]} ahead ({answer.strip()}); "
+                         "the warm-up compiles it in process")
+
+    workers = [_Worker() for _ in range(jobs)]
+    threads = [threading.Thread(target=w.serve, args=(pending, report, stop or threading.Event()), daemon=True)
+               for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    progress(f"compiled {len(done)} of {len(todo)} variants ahead in {time.perf_counter() - t0:.1f} s")
+    return done
+
+
+class _Worker:
+    """One ``python -m graphc.compile_ahead`` process, fed one variant at a time."""
+
+    def __init__(self):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)   # import what we imported
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "graphc.compile_ahead"], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def serve(self, pending: queue.Queue, report: Callable[[Variant, str], None], stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    variant = pending.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    self.proc.stdin.write(repr(variant) + "\n")
+                    self.proc.stdin.flush()
+                    answer = self.proc.stdout.readline()
+                except OSError:
+                    answer = ""
+                if not answer:          # the worker died: say why and leave the rest to others
+                    report(variant, f"worker exited: {self._log_tail()}")
+                    return
+                report(variant, answer)
+        finally:
+            self._stop()
+
+    def _log_tail(self) -> str:
+        self.proc.wait()
+        self.log.seek(0)
+        lines = self.log.read().strip().splitlines()
+        return f"exit status {self.proc.returncode}" + (f", {lines[-1]}" if lines else "")
+
+    def _stop(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+def _serve() -> None:
+    """The worker's side: compile each variant read from stdin into the disk cache and answer
+    ``ok <seconds>`` or ``error <message>`` on the original stdout."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)                       # whatever the compiler prints goes to the log, not the answers
+    sys.stdout = sys.stderr
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            return
+        module, key = ast.literal_eval(line)
+        t0 = time.perf_counter()
+        try:
+            cache = kernel_cache(module)
+            cache.get(key)
+            if not cache.path(key).is_file():
+                raise RuntimeError(f"compiled, but could not write {cache.path(key)}")
+            answers.write(f"ok {time.perf_counter() - t0:.1f}\n")
+        except Exception as e:          # reported to the parent, which compiles it again in process
+            answers.write(f"error {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n")
+
+
+if __name__ == "__main__":
+    _serve()
