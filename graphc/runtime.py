@@ -9,6 +9,7 @@ the same API runs the reference executor instead of graphs (for tests and small 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -31,6 +32,21 @@ MAX_BATCH = 512      # the largest captured batch size (the decode GEMM's M; the
 
 def _log(msg: str) -> None:
     print(f"[graphc] {msg}", file=sys.stderr, flush=True)
+
+
+def _device_guard(dev: torch.device):
+    """Make ``dev`` the current CUDA device within: the streams, graphs and memory queries of
+    a build and its replays, and the Triton and CuTe DSL launches (which run on the current
+    device), must all be on the step's GPU whichever device the caller has current."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+def _on_step_device(method):
+    @functools.wraps(method)
+    def on_device(self, *args, **kwargs):
+        with _device_guard(self.device):
+            return method(self, *args, **kwargs)
+    return on_device
 
 
 class DecodeStep:
@@ -68,6 +84,7 @@ class DecodeStep:
                           f"({', '.join(map(str, self.batch_sizes))}); build with a larger "
                           f"--batch-sizes entry")
 
+    @_on_step_device
     def __call__(self, tokens: torch.Tensor, seq_lens: torch.Tensor,
                  cache_slots: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
         """Run one decode step. tokens: [b] integer token ids; seq_lens: [b] tokens already
@@ -135,6 +152,7 @@ class DecodeStep:
         return b
 
     # --- state ------------------------------------------------------------------------------
+    @_on_step_device
     def reset(self, cache_slots: Sequence[int] | None = None) -> None:
         """Start new sequences: clear the KV cache of the given slots (default: all)."""
         if cache_slots is not None:
@@ -152,6 +170,7 @@ class DecodeStep:
                 else:
                     cache[torch.as_tensor(list(cache_slots), device=cache.device)] = 0
 
+    @_on_step_device
     def load_weights(self, path: str | os.PathLike) -> None:
         """Reload weights in place: the captured graphs read the same memory, so the next
         replay uses the new values and no graph is stale. (A spec change needs a new build.)"""
@@ -186,6 +205,7 @@ class DecodeStep:
                        "padding_waste": padding[size]["waste"]}
                 for size, g in sorted(self.graphs.items())}
 
+    @_on_step_device
     def profile(self, batch: int, path: str | os.PathLike | None = None,
                 context: int | None = None, replays: int = 20, repeat: int = 10) -> dict:
         """Per-kernel durations at one batch size, in the JSON the HTML timeline displays.
@@ -271,6 +291,10 @@ def run_device(device) -> torch.device:
                           "instead (device='cpu'; graphc run --device cpu)")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())   # tensors report cuda:N
+    if dev.type == "cuda" and dev.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise GraphcError(f"device {device!r}: this machine has {count} CUDA GPU{'s' if count != 1 else ''} "
+                          f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''})")
     return dev
 
 
@@ -335,6 +359,15 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     shapes = weight_shapes(graph)
     # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
     check_memory(schedules[sizes[-1]], sizes[-1], dev, weights)
+    with _device_guard(dev):
+        return _allocate_and_capture(schedules, shapes, dev, weights, seed, compile_jobs, progress)
+
+
+def _allocate_and_capture(schedules: dict[int, Schedule], shapes, dev: torch.device, weights, seed: int,
+                          compile_jobs: int | None, progress: Callable[[str], None]) -> DecodeStep:
+    """The build's second half, on ``dev``: weights (while kernels compile ahead), plan,
+    warm-up, capture."""
+    sizes = list(schedules)
     with _compiling_kernels_ahead(schedules, dev, compile_jobs, progress):   # while the weights load
         t0 = time.perf_counter()
         if weights is None:

@@ -221,6 +221,7 @@ def test_build_on_a_gpu_other_than_hopper_writes_the_schedule_that_runs(tmp_path
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(graphc.bench, "bench_step", lambda *a, **k: [])

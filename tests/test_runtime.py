@@ -105,6 +105,16 @@ def test_build_refuses_a_device_graphc_does_not_run_on(device):
         graphc.build("layer_specs/tiny.yaml", [1], device=device, progress=None)
 
 
+def test_build_refuses_a_gpu_index_the_machine_does_not_have(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(GraphcError, match=r"device 'cuda:2': this machine has 2 CUDA GPUs \(cuda:0 \.\. cuda:1\)"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cuda:2", progress=None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(GraphcError, match=r"device 'cuda:1': this machine has 1 CUDA GPU \(cuda:0\)$"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cuda:1", progress=None)
+
+
 def test_a_cpu_build_applies_and_checks_implementation_choices():
     """The choices mean the same on the CPU as on a GPU: the schedules say what a GPU would run,
     and a misspelt kind or implementation is refused rather than ignored."""
@@ -223,6 +233,7 @@ def test_a_build_on_a_gpu_other_than_hopper_says_what_it_runs_instead(monkeypatc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "mem_get_info", no_memory_query)

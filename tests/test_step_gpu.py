@@ -210,6 +210,31 @@ def test_a_cold_build_compiles_its_kernels_ahead_in_worker_processes(tmp_path, m
     check_logits(step(tokens, lens, slots).clone(), reference_call(ref, tokens, lens, slots))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_a_step_on_a_gpu_that_is_not_the_current_one():
+    """graphc.build(device="cuda:N") with another GPU current (one process serving GPU N):
+    the warm-up, the capture, the replays, reset and profile all run on GPU N, and the caller's
+    current device is left alone."""
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.set_device(0)
+    step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], device=str(dev), progress=None)
+    assert torch.cuda.current_device() == 0 and step.device == dev
+    assert step.plan.weights.tensors["lm_head.weight"].device == dev
+    tokens = torch.tensor([4, 5, 6], device=dev)
+    lens = torch.zeros(3, dtype=torch.int32, device=dev)
+    slots = torch.arange(3, dtype=torch.int32, device=dev)
+    got = step(tokens, lens, slots).clone()
+    assert got.device == dev and torch.cuda.current_device() == 0
+    with torch.cuda.device(dev):          # the reference (torch ops and one Triton kernel) on GPU N
+        schedule = build_schedule(step.schedule.graph, TORCH)
+        ref = Plan(schedule, step.plan.max_batch, step.plan.weights, dev)
+        want = reference_call(ref, tokens, lens, slots)
+    check_logits(got, want)
+    step.reset([0])
+    assert len(step.profile(2)["kernels"]) == len(step.schedule.kernels)
+    assert torch.cuda.current_device() == 0
+
+
 def test_weight_reload_reaches_the_captured_graphs(tmp_path):
     """load_weights streams a file into the weights the graphs read, one tensor at a time: the
     replayed step then gives exactly what a fresh build from the same file gives."""
