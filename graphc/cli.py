@@ -346,8 +346,14 @@ def cmd_bench(args) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graphc", description="CUDA-graph decode-step compiler for "
-                                "Attention-Residual transformers on Hopper GPUs.")
+    p = argparse.ArgumentParser(
+        prog="graphc", description="CUDA-graph decode-step compiler for Attention-Residual "
+        "transformers on Hopper GPUs.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="environment (GPU builds):\n"
+               "  GRAPHC_CACHE_DIR     where compiled kernels are kept (default ~/.cache/graphc/kernels)\n"
+               "  GRAPHC_KERNEL_CACHE  0: keep compiled kernels in memory only\n"
+               "  GRAPHC_COMPILE_JOBS  processes compiling uncached kernels while weights load\n"
+               "                       (default: the CPU count, at most 8; 1: one at a time)")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="validate, schedule, verify and write the graph, schedule "

@@ -231,3 +231,19 @@ def test_build_on_a_gpu_other_than_hopper_writes_the_schedule_that_runs(tmp_path
     assert "linear/cublas" in text and "attn_res/torch" in text
     assert "/cute" not in text and "/tma" not in text and "/triton" not in text
     assert "(capture stubbed)" in capsys.readouterr().out
+
+
+def test_help_names_every_environment_variable_graphc_reads(capsys):
+    """Every GRAPHC_* variable the package or its kernels read is listed in `graphc --help`."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    read = set()
+    for path in [*root.glob("graphc/*.py"), *root.glob("kernels/*.py")]:
+        if path.name != "cli.py":
+            read |= set(re.findall(r"GRAPHC_[A-Z_]+", path.read_text()))
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = set(re.findall(r"^  (GRAPHC_[A-Z_]+)", capsys.readouterr().out, re.M))
+    assert read and listed == read
