@@ -55,13 +55,25 @@ def default_tiling(rows: int) -> tuple[int, int, int]:
 
 _workspaces: dict = {}
 
+# bench/attention_triton_timeline.py compiles the kernel with TIMELINE=1: each program then
+# writes these %globaltimer stamps (ns) into ``stamps`` (the shipped build compiles them out).
+STAMPS = ("entry", "q loaded", "keys done", "arrived", "combined")
+
 
 @triton.jit
-def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stride_t, stride_slot,
+def globaltimer(after):
+    """%globaltimer once ``after`` (a scalar the timed step produced) is available: the asm
+    takes it as an operand, so it cannot run before the loads behind it complete."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stamps, stride_t, stride_slot,
               stride_pos, stride_kind, stride_head, stride_out, scale,
               H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
               HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-              NP: tl.constexpr, PV: tl.constexpr):
+              NP: tl.constexpr, PV: tl.constexpr, TIMELINE: tl.constexpr = 0):
     # Let a PDL-launched successor (the o_proj decode GEMM) start streaming its weights now: it
     # reads our output only after its own griddepcontrol.wait, which waits for this grid to
     # complete. Fires once every program has executed it, so the successor never takes an SM
@@ -70,6 +82,9 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
+    if TIMELINE:
+        stamp = stamps + ((t * KV + kvh) * NSPLIT + s).to(tl.int64) * 5
+        tl.store(stamp, globaltimer(s))
     L = tl.load(seq_lens + t)
     slot = tl.load(slots + t).to(tl.int64)
     g = tl.arange(0, GP)
@@ -77,6 +92,8 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
     gmask = g < G
     row = qkv + t.to(tl.int64) * stride_t
     q = tl.load(row + (kvh * G + g)[:, None] * HD + d[None, :], mask=gmask[:, None], other=0.0)
+    if TIMELINE:
+        tl.store(stamp + 1, globaltimer(tl.sum(tl.sum(q.to(tl.float32), 1), 0).to(tl.int32) + L))
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, HD], tl.float32)
@@ -106,6 +123,8 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
                 pv = tl.dot((p - hi.to(tl.float32)).to(tl.bfloat16), v, pv)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    if TIMELINE:
+        tl.store(stamp + 2, globaltimer(tl.sum(tl.sum(acc, 1), 0).to(tl.int32)))
     if s == 0:
         kn = tl.load(row + (H + kvh) * HD + d)
         vn = tl.load(row + (H + KV + kvh) * HD + d)
@@ -137,6 +156,8 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
         # leaving the workspace as it found it for the next launch (and graph replay).
         tl.debug_barrier()          # every thread's partial stores precede the release
         done = tl.atomic_add(counters + t * KV + kvh, 1, sem="acq_rel")
+        if TIMELINE:
+            tl.store(stamp + 3, globaltimer(done))
         if done == live - 1:
             tl.debug_barrier()      # ... and the acquire precedes every thread's loads
             sp = tl.arange(0, NP)
@@ -156,17 +177,21 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, strid
                 o += w[:, None] * aj
             tl.store(out_ptrs, (o / total[:, None]).to(tl.bfloat16), mask=gmask[:, None])
             tl.store(counters + t * KV + kvh, 0)
+            if TIMELINE:
+                tl.store(stamp + 4, globaltimer(tl.sum(tl.sum(o, 1), 0).to(tl.int32)))
 
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
                      head_dim: int, chunk: int | None = None, block_n: int | None = None,
-                     num_warps: int = 4, num_stages: int | None = None, pv: str = DEFAULT_PV) -> None:
+                     num_warps: int = 4, num_stages: int | None = None, pv: str = DEFAULT_PV,
+                     stamps: torch.Tensor | None = None) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention (kv: [slots, 2, kv_heads,
     max_context, head_dim], any strides). The tiling arguments default to
     ``default_tiling(rows)``; ``pv`` is one of ``PV_MODES``. Executes
     ``griddepcontrol.launch_dependents`` at entry, so a successor launched with the PDL
-    attribute overlaps this kernel."""
+    attribute overlaps this kernel. ``stamps`` (int64, 5 per program, for
+    bench/attention_triton_timeline.py): compile the timed variant and write ``STAMPS`` there."""
     if pv not in PV_MODES:
         raise ValueError(f"pv={pv!r} unsupported: one of {', '.join(PV_MODES)}")
     T, C = qkv.shape[0], kv.shape[3]
@@ -189,9 +214,10 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
     # Any strides work (kv is [slots, 2, kv_heads, max_context, head_dim] logically); graphc's
     # cache is head-major and contiguous, so a program reads one contiguous run per K and V.
     _split_kv[(T, kv_heads, nsplit)](
-        qkv, kv, seq_lens, cache_slots, m_ws, l_ws, acc_ws, counters, out, qkv.stride(0),
+        qkv, kv, seq_lens, cache_slots, m_ws, l_ws, acc_ws, counters, out,
+        counters if stamps is None else stamps, qkv.stride(0),
         kv.stride(0), kv.stride(3), kv.stride(1), kv.stride(2), out.stride(0),
         1.0 / math.sqrt(head_dim),
         H=heads, KV=kv_heads, G=G, GP=max(16, triton.next_power_of_2(G)), HD=head_dim,
         CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, NP=triton.next_power_of_2(nsplit),
-        PV=PV_MODES[pv], num_warps=num_warps, num_stages=num_stages)
+        PV=PV_MODES[pv], TIMELINE=int(stamps is not None), num_warps=num_warps, num_stages=num_stages)

@@ -311,6 +311,35 @@ def bf16_ulps_apart(a, b):
     return (ordered(a) - ordered(b)).abs()
 
 
+def test_the_timed_triton_attention_computes_the_same_and_stamps_in_order():
+    """bench/attention_triton_timeline.py's variant (TIMELINE=1): the same output bits and
+    cache as the shipped kernel, and every live program's stamps in the order of STAMPS."""
+    from graphc.kernels.decode_attention import STAMPS, decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    qkv = torch.randn(2, 80 * 128, generator=gen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(3, 2, 8, 2048, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor([1023, 300], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([2, 0], dtype=torch.int32, device="cuda")
+    outs, caches = [], []
+    stamps = torch.zeros(2 * 8 * 16, len(STAMPS), dtype=torch.int64, device="cuda")
+    for timed in (None, stamps):
+        cache = kv.clone()
+        out = torch.full((2, 64 * 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+        decode_attention(qkv, cache, lens, slots, out, heads=64, kv_heads=8, head_dim=128, chunk=128,
+                         stamps=timed)
+        outs.append(out)
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0], caches[1])
+    w = stamps.view(2, 8, 16, len(STAMPS)).cpu()
+    for row, live in enumerate((8, 3)):       # ceil(1023 / 128), ceil(300 / 128) live splits
+        for kvh in range(8):
+            programs = w[row, kvh, :live]
+            assert (programs[:, :4] > 0).all() and (programs[:, 1:4] >= programs[:, 0:3]).all()
+            combiners = programs[programs[:, 4] > 0]
+            assert len(combiners) == 1 and (combiners[:, 4] >= combiners[:, 3]).all()
+
+
 @pytest.mark.parametrize("pv", ["bf16x2", "bf16"])
 def test_decode_attention_kernel_against_reference(pv):
     """The Triton kernel against the op's fp32 torch reference over ragged lengths, both cache
