@@ -10,7 +10,8 @@ kernels/gemm.py (its TUNING_KNOBS) is decided here: every variant passes its kno
 decode GEMMs of the step (or, with ``@role,role``, only to those roles: ``attn.qkv``,
 ``mlp.gate_up``, ``lm_head``; a role is a node name without its layer prefix), beside the
 shipped defaults ('shipped'). ``attention.KNOB`` sets a tiling argument of the Triton attention
-(kernels/decode_attention.py: chunk, block_n, num_warps, num_stages; the one-row default) for
+(kernels/decode_attention.py: chunk, block_n, num_warps, num_stages, combine_splits; the one-row
+default) for
 every attention call it makes. All variants share one set of weights and are captured once
 each; every round replays each variant in turn (``graphc.bench.time_replays``: the median
 of 100 replays), so a board that slows down or caps its power hits every variant alike.
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SHIPPED = "shipped"
 ATTENTION = "attention."
-ATTENTION_KNOBS = ("chunk", "block_n", "num_warps", "num_stages")   # kernels/decode_attention.py
+ATTENTION_KNOBS = ("chunk", "block_n", "num_warps", "num_stages", "combine_splits")   # kernels/decode_attention.py
 
 
 def parse_variant(text: str) -> tuple[str, dict, set | None]:

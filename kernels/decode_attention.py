@@ -73,7 +73,8 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stamp
               stride_pos, stride_kind, stride_head, stride_out, scale,
               H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
               HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-              NP: tl.constexpr, PV: tl.constexpr, TIMELINE: tl.constexpr = 0):
+              NP: tl.constexpr, PV: tl.constexpr, GC: tl.constexpr, COMBINE_SPLITS: tl.constexpr,
+              TIMELINE: tl.constexpr = 0):
     # Let a PDL-launched successor (the o_proj decode GEMM) start streaming its weights now: it
     # reads our output only after its own griddepcontrol.wait, which waits for this grid to
     # complete. Fires once every program has executed it, so the successor never takes an SM
@@ -160,22 +161,35 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stamp
             tl.store(stamp + 3, globaltimer(done))
         if done == live - 1:
             tl.debug_barrier()      # ... and the acquire precedes every thread's loads
+            # COMBINE_SPLITS partials per load, [query heads, splits, head dim] at once: one L2
+            # round trip per group of live splits. One split per loop step cost a round trip
+            # each, ~0.3 µs (2.6 of a one-row call's ~9 µs; bench/decode_attention_notes.md,
+            # session 19). Each thread still sums its splits in index order, so the bits are
+            # those of the one-at-a-time loop. The query heads are not padded to GP here (no
+            # MMA), which keeps the tile in registers.
+            gc = tl.arange(0, GC)
+            cmask = gc < G
+            hc = t * H + kvh * G + gc
             sp = tl.arange(0, NP)
-            ms = tl.load(m_ws + heads[:, None] * NSPLIT + sp[None, :],
-                         mask=gmask[:, None] & (sp[None, :] < live), other=float("-inf"),
-                         cache_modifier=".cg")
-            top = tl.max(ms, 1)
-            o = tl.zeros([GP, HD], tl.float32)
-            total = tl.zeros([GP], tl.float32)
-            for j in range(live):
-                mj = tl.load(m_ws + heads * NSPLIT + j, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                lj = tl.load(l_ws + heads * NSPLIT + j, mask=gmask, other=0.0, cache_modifier=".cg")
-                aj = tl.load(acc_ws + (heads * NSPLIT + j)[:, None] * HD + d[None, :], mask=gmask[:, None],
+            top = tl.max(tl.load(m_ws + hc[:, None] * NSPLIT + sp[None, :],
+                                 mask=cmask[:, None] & (sp[None, :] < live), other=float("-inf"),
+                                 cache_modifier=".cg"), 1)
+            jj = tl.arange(0, COMBINE_SPLITS)
+            o = tl.zeros([GC, HD], tl.float32)
+            total = tl.zeros([GC], tl.float32)
+            for j0 in range(0, live, COMBINE_SPLITS):
+                js = j0 + jj
+                on = cmask[:, None] & (js[None, :] < live)
+                ws_slot = hc[:, None] * NSPLIT + js[None, :]
+                mj = tl.load(m_ws + ws_slot, mask=on, other=float("-inf"), cache_modifier=".cg")
+                lj = tl.load(l_ws + ws_slot, mask=on, other=0.0, cache_modifier=".cg")
+                aj = tl.load(acc_ws + ws_slot[:, :, None] * HD + d[None, None, :], mask=on[:, :, None],
                              other=0.0, cache_modifier=".cg")
-                w = tl.where(gmask, tl.exp(mj - top), 0.0)
-                total += w * lj
-                o += w[:, None] * aj
-            tl.store(out_ptrs, (o / total[:, None]).to(tl.bfloat16), mask=gmask[:, None])
+                w = tl.where(on, tl.exp(mj - top[:, None]), 0.0)
+                total += tl.sum(w * lj, 1)
+                o += tl.sum(w[:, :, None] * aj, 1)
+            tl.store(out + t.to(tl.int64) * stride_out + (kvh * G + gc)[:, None] * HD + d[None, :],
+                     (o / total[:, None]).to(tl.bfloat16), mask=cmask[:, None])
             tl.store(counters + t * KV + kvh, 0)
             if TIMELINE:
                 tl.store(stamp + 4, globaltimer(tl.sum(tl.sum(o, 1), 0).to(tl.int32)))
@@ -184,16 +198,19 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stamp
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
                      head_dim: int, chunk: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int | None = None, pv: str = DEFAULT_PV,
-                     stamps: torch.Tensor | None = None) -> None:
+                     combine_splits: int = 16, stamps: torch.Tensor | None = None) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention (kv: [slots, 2, kv_heads,
     max_context, head_dim], any strides). The tiling arguments default to
-    ``default_tiling(rows)``; ``pv`` is one of ``PV_MODES``. Executes
-    ``griddepcontrol.launch_dependents`` at entry, so a successor launched with the PDL
-    attribute overlaps this kernel. ``stamps`` (int64, 5 per program, for
+    ``default_tiling(rows)``; ``pv`` is one of ``PV_MODES``; ``combine_splits`` (a power of
+    two) is how many splits' partials the combining program loads at once (1: one at a time,
+    the same bits). Executes ``griddepcontrol.launch_dependents`` at entry, so a successor
+    launched with the PDL attribute overlaps this kernel. ``stamps`` (int64, 5 per program, for
     bench/attention_triton_timeline.py): compile the timed variant and write ``STAMPS`` there."""
     if pv not in PV_MODES:
         raise ValueError(f"pv={pv!r} unsupported: one of {', '.join(PV_MODES)}")
+    if combine_splits < 1 or combine_splits & (combine_splits - 1):
+        raise ValueError(f"combine_splits={combine_splits} unsupported: a power of two")
     T, C = qkv.shape[0], kv.shape[3]
     tiled = default_tiling(T)
     chunk = chunk or tiled[0]
@@ -220,4 +237,6 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
         1.0 / math.sqrt(head_dim),
         H=heads, KV=kv_heads, G=G, GP=max(16, triton.next_power_of_2(G)), HD=head_dim,
         CHUNK=chunk, BLOCK_N=block_n, NSPLIT=nsplit, NP=triton.next_power_of_2(nsplit),
-        PV=PV_MODES[pv], TIMELINE=int(stamps is not None), num_warps=num_warps, num_stages=num_stages)
+        PV=PV_MODES[pv], GC=triton.next_power_of_2(G),
+        COMBINE_SPLITS=min(combine_splits, triton.next_power_of_2(nsplit)),
+        TIMELINE=int(stamps is not None), num_warps=num_warps, num_stages=num_stages)

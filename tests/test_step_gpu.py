@@ -340,8 +340,19 @@ def test_the_timed_triton_attention_computes_the_same_and_stamps_in_order():
             assert len(combiners) == 1 and (combiners[:, 4] >= combiners[:, 3]).all()
 
 
-@pytest.mark.parametrize("pv", ["bf16x2", "bf16"])
-def test_decode_attention_kernel_against_reference(pv):
+def test_decode_attention_refuses_a_combine_width_that_is_not_a_power_of_two():
+    from graphc.kernels.decode_attention import decode_attention
+
+    qkv = torch.zeros(1, 80 * 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.zeros(2, 2, 8, 256, 128, device="cuda", dtype=torch.bfloat16)
+    lens, slots = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.empty(1, 64 * 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="combine_splits=3 unsupported: a power of two"):
+        decode_attention(qkv, kv, lens, slots, out, heads=64, kv_heads=8, head_dim=128, combine_splits=3)
+
+
+@pytest.mark.parametrize("pv, combine_splits", [("bf16x2", 16), ("bf16", 16), ("bf16x2", 1), ("bf16x2", 4)])
+def test_decode_attention_kernel_against_reference(pv, combine_splits):
     """The Triton kernel against the op's fp32 torch reference over ragged lengths, both cache
     layouts and forced split counts. With p @ V as two bf16 MMAs (the default) only the fp32
     summation order differs from the reference, so outputs are within one bf16 ulp; with p
@@ -369,12 +380,14 @@ def test_decode_attention_kernel_against_reference(pv):
         want = torch.full((T, 64 * 128), float("nan"), device="cuda", dtype=torch.bfloat16)
         got = want.clone()
         op.reference({"qkv": qkv, "kv": want_kv, "seq_lens": lens, "cache_slots": slots, "out": want}, {})
-        decode_attention(qkv, got_kv, lens, slots, got, heads=64, kv_heads=8, head_dim=128, chunk=chunk, pv=pv)
+        decode_attention(qkv, got_kv, lens, slots, got, heads=64, kv_heads=8, head_dim=128, chunk=chunk, pv=pv,
+                         combine_splits=combine_splits)
         assert torch.equal(got_kv, want_kv)
         # The in-kernel combine leaves its arrival counters at zero, and a second launch over the
         # same cache (the appended token rewritten with the same values) gives the same bits.
         again = torch.full_like(got, float("nan"))
-        decode_attention(qkv, got_kv, lens, slots, again, heads=64, kv_heads=8, head_dim=128, chunk=chunk, pv=pv)
+        decode_attention(qkv, got_kv, lens, slots, again, heads=64, kv_heads=8, head_dim=128, chunk=chunk, pv=pv,
+                         combine_splits=combine_splits)
         assert torch.equal(again, got)
         assert all(int(ws[3].abs().sum()) == 0 for ws in module._workspaces.values())
         assert not torch.isnan(got).any()
