@@ -6,8 +6,9 @@ few seconds of Python tracing, MLIR passes and ptxas, all on one core. The warm-
 them one after the other; instead ``graphc.build`` first asks every scheduled implementation
 which variants its launches load (``Implementation.variants``), and the ones found in neither
 compile cache (kernels/compile_cache.py) are compiled by worker processes into the disk cache
-while the build loads its weights. The warm-up then loads them from disk. Nothing depends on this step: a variant a worker could
-not compile is simply compiled by the warm-up in process, which reports the real error.
+while the build loads its weights. The warm-up then loads them from disk. Nothing depends on
+this step: a variant a worker could not compile is simply compiled by the warm-up in process,
+which reports the real error.
 
 The workers are fresh interpreters (``python -m graphc.compile_ahead``) with the parent's
 environment and import path, so they generate the same cache keys. They are not
@@ -60,7 +61,8 @@ def kernel_cache(module: str):
 
 def uncached(variants: Iterable[Variant]) -> list[Variant]:
     """The variants found neither in this process's compile caches nor on disk."""
-    return [(m, key) for m, key in variants if key not in kernel_cache(m) and not kernel_cache(m).path(key).is_file()]
+    return [(module, key) for module, key in variants
+            if key not in kernel_cache(module) and not kernel_cache(module).path(key).is_file()]
 
 
 def default_jobs() -> int:
@@ -129,7 +131,8 @@ def compile_ahead(variants: Iterable[Variant], jobs: int | None = None,
         with lock:
             if answer.startswith("ok "):
                 done.append(variant)
-                progress(f"[{len(done):3d}/{len(todo)}] {answer[3:].strip():>5s} s  {variant[0].rsplit('.', 1)[-1]} {variant[1]}")
+                kernel = variant[0].rsplit(".", 1)[-1]
+                progress(f"[{len(done):3d}/{len(todo)}] {answer[3:].strip():>5s} s  {kernel} {variant[1]}")
             else:
                 progress(f"could not compile {variant[0]} {variant[1]} ahead ({answer.strip()}); "
                          "the warm-up compiles it in process")

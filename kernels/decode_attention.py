@@ -164,9 +164,10 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stamp
             # COMBINE_SPLITS partials per load, [query heads, splits, head dim] at once: one L2
             # round trip per group of live splits. One split per loop step cost a round trip
             # each, ~0.3 µs (2.6 of a one-row call's ~9 µs; bench/decode_attention_notes.md,
-            # session 19). Each thread still sums its splits in index order, so the bits are
-            # those of the one-at-a-time loop. The query heads are not padded to GP here (no
-            # MMA), which keeps the tile in registers.
+            # session 19). The splits' fp32 sum is grouped differently from one at a time
+            # (within one bf16 ulp; still a fixed order, so the bits do not depend on who came
+            # last). The query heads are not padded to GP here (no MMA), which keeps the tile
+            # in registers.
             gc = tl.arange(0, GC)
             cmask = gc < G
             hc = t * H + kvh * G + gc
@@ -204,7 +205,7 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
     max_context, head_dim], any strides). The tiling arguments default to
     ``default_tiling(rows)``; ``pv`` is one of ``PV_MODES``; ``combine_splits`` (a power of
     two) is how many splits' partials the combining program loads at once (1: one at a time,
-    the same bits). Executes ``griddepcontrol.launch_dependents`` at entry, so a successor
+    as before session 19; the sum's grouping, not its result beyond an ulp, differs). Executes ``griddepcontrol.launch_dependents`` at entry, so a successor
     launched with the PDL attribute overlaps this kernel. ``stamps`` (int64, 5 per program, for
     bench/attention_triton_timeline.py): compile the timed variant and write ``STAMPS`` there."""
     if pv not in PV_MODES:

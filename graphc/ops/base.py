@@ -109,8 +109,8 @@ class Implementation:
     arch: str | None = None
     # The CuTe DSL kernel variants a launch at ``batch`` rows loads, as (kernel module,
     # compile-cache key) pairs: ``variants(op, batch, sms)``. A build compiles the ones not yet
-    # cached in parallel processes before its warm-up (graphc/compile_ahead.py). None: nothing
-    # to compile ahead (library kernels; Triton compiles in the warm-up).
+    # cached in parallel processes while its weights load (graphc/compile_ahead.py). None:
+    # nothing to compile ahead (library kernels; Triton compiles in the warm-up).
     variants: Callable | None = None
 
     def runs_on(self, capability: tuple[int, int]) -> bool:
