@@ -80,16 +80,17 @@ def compiling_ahead(variants: Iterable[Variant], jobs: int | None = None,
                     progress: Callable[[str], None] = lambda s: None) -> Iterator[None]:
     """``compile_ahead`` in the background while the body runs (a build loads its weights
     meanwhile, which from a file takes longer than the compiles); waits for it on exit. If the
-    body raises, the workers stop after the variant each is compiling."""
+    body raises, the workers stop after the variant each is compiling. If compiling ahead
+    fails (no worker could start, say), ``progress`` hears why and the warm-up compiles
+    everything as it would without it."""
     jobs = default_jobs() if jobs is None else jobs     # a bad setting fails before the body runs
     stop = threading.Event()
-    failed: list[BaseException] = []
 
     def run() -> None:
         try:
             compile_ahead(variants, jobs, progress, stop)
-        except BaseException as e:      # re-raised in the caller's thread below
-            failed.append(e)
+        except Exception as e:          # an optimisation only: never fail the build for it
+            progress(f"compiling ahead failed ({type(e).__name__}: {e}); the warm-up compiles in process")
 
     thread = threading.Thread(target=run, name="graphc-compile-ahead", daemon=True)
     thread.start()
@@ -100,8 +101,6 @@ def compiling_ahead(variants: Iterable[Variant], jobs: int | None = None,
         raise
     finally:
         thread.join()
-    if failed:
-        raise failed[0]
 
 
 def compile_ahead(variants: Iterable[Variant], jobs: int | None = None,
@@ -137,7 +136,14 @@ def compile_ahead(variants: Iterable[Variant], jobs: int | None = None,
                 progress(f"could not compile {variant[0]} {variant[1]} ahead ({answer.strip()}); "
                          "the warm-up compiles it in process")
 
-    workers = [_Worker() for _ in range(jobs)]
+    workers: list[_Worker] = []
+    try:
+        for _ in range(jobs):
+            workers.append(_Worker())
+    except BaseException:
+        for w in workers:               # no orphan left waiting on its stdin
+            w.stop()
+        raise
     threads = [threading.Thread(target=w.serve, args=(pending, report, stop or threading.Event()), daemon=True)
                for w in workers]
     for t in threads:
@@ -176,7 +182,7 @@ class _Worker:
                     return
                 report(variant, answer)
         finally:
-            self._stop()
+            self.stop()
 
     def _log_tail(self) -> str:
         self.proc.wait()
@@ -184,7 +190,8 @@ class _Worker:
         lines = self.log.read().strip().splitlines()
         return f"exit status {self.proc.returncode}" + (f", {lines[-1]}" if lines else "")
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """Close its stdin (it exits after its current variant) and wait for it."""
         try:
             self.proc.stdin.close()
         except OSError:

@@ -127,3 +127,20 @@ def test_compiling_in_the_background_stops_when_the_build_fails(monkeypatch, tmp
         with ca.compiling_ahead(variants):
             ran.append(True)
     assert ran == []
+
+
+def test_a_worker_that_cannot_start_only_costs_the_speed_up(monkeypatch, tmp_path):
+    """Compiling ahead is an optimisation: if no worker process can start, the build hears why
+    and carries on (its warm-up compiles in process)."""
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
+
+    def no_processes(self):
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(ca._Worker, "__init__", no_processes)
+    heard, ran = [], []
+    with ca.compiling_ahead(SMALL, jobs=2, progress=heard.append):
+        ran.append(True)
+    assert ran == [True]
+    assert heard[-1] == ("compiling ahead failed (OSError: no more processes); "
+                         "the warm-up compiles in process")
