@@ -181,16 +181,12 @@ def main() -> None:
     print(f"{counts['gemm']} stream-K and {counts['gemm_wide']} whole-K decode-GEMM, {counts['attn_res']} "
           f"AttnRes and {counts['attention']} attention variants -> "
           f"{os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
-    from graphc.compile_ahead import compile_ahead, kernel_cache, uncached
-    from graphc.kernels.compile_cache import reporting_compiles
+    from graphc.compile_ahead import compile_variants
 
     t0 = time.perf_counter()
     modules = kernel_modules()
-    variants = [(modules[name].__name__, key) for name, key in jobs]
-    compile_ahead(variants, args.jobs, lambda s: print(s, flush=True))
-    with reporting_compiles(lambda s: print(s, flush=True)):    # --jobs 1, or what a worker failed
-        for module, key in uncached(variants):
-            kernel_cache(module).get(key)
+    compile_variants([(modules[name].__name__, key) for name, key in jobs], args.jobs,
+                     lambda s: print(s, flush=True))
     print(f"done in {time.perf_counter() - t0:.0f} s")
     if args.prune:
         files, size = prune(jobs)

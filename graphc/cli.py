@@ -1,4 +1,4 @@
-"""The ``graphc`` command line: build, inspect, viz, run, bench.
+"""The ``graphc`` command line: build, inspect, viz, run, compile, bench.
 
 Every user mistake (a bad spec, an unsupported shape, a batch no graph holds) prints one line
 naming the problem and exits with status 2; no traceback.
@@ -345,6 +345,55 @@ def cmd_bench(args) -> int:
     return 0
 
 
+HOPPER_SMS = 132                  # H100 / H200 SXM: `graphc compile`'s target without a GPU
+
+
+def cmd_compile(args) -> int:
+    """Compile the CuTe DSL kernels a GPU build of SPEC at these batch sizes loads into the
+    kernel cache, with or without a GPU here (without one, for sm_90a on ``--sms`` SMs), so
+    that the build only loads them: e.g. while building a serving image."""
+    import importlib.util
+
+    from .kernels.compile_cache import default_cache_dir, disk_cache_enabled
+
+    if not disk_cache_enabled():
+        raise GraphcError("graphc compile fills the disk kernel cache, which GRAPHC_KERNEL_CACHE=0 "
+                          "switches off")
+    if importlib.util.find_spec("cutlass") is None:
+        raise GraphcError("CuTe DSL (nvidia-cutlass-dsl) is not installed here: graphc's Hopper "
+                          "kernels cannot be compiled")
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if not gpu:      # the DSL would otherwise target its default architecture, not Hopper
+        arch = os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+        if arch != "sm_90a":
+            raise GraphcError(f"CUTE_DSL_ARCH={arch}: graphc's kernels are sm_90a code (H100/H200)")
+    from .compile_ahead import compile_variants, schedule_variants
+    from .schedule import build_schedule
+
+    sizes = args.batch_sizes
+    spec, graph, _ = _front(args.spec, batch=sizes[0])
+    if gpu:
+        from .runtime import gpu_implementations
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        chosen = gpu_implementations(graph, dev, batch_sizes=sizes, progress=_progress)
+        sms = args.sms or torch.cuda.get_device_properties(dev).multi_processor_count
+        target = f"{torch.cuda.get_device_name(dev)}, {sms} SMs"
+    else:
+        chosen, sms = None, args.sms or HOPPER_SMS
+        target = f"sm_90a, {sms} SMs (no GPU here; --sms for another count)"
+    variants = schedule_variants({b: build_schedule(graph, chosen, batch=b) for b in sizes}, sms)
+    _say(f"{spec.model.name} at batch sizes {', '.join(map(str, sizes))}: {_plural(len(variants), 'kernel variant')} "
+         f"for {target} -> {default_cache_dir()}")
+    t0 = time.perf_counter()
+    compiled = compile_variants(variants, args.jobs, _progress)
+    _say(f"  compiled {len(compiled)}, {len(variants) - len(compiled)} already cached, in "
+         f"{time.perf_counter() - t0:.1f} s; a GPU build at these batch sizes loads them")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="graphc", description="CUDA-graph decode-step compiler for Attention-Residual "
@@ -396,6 +445,18 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--weights", help="safetensors file (default: seeded random weights)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
     r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("compile", help="compile the GPU kernels a build needs into the kernel cache "
+                       "(no GPU needed): builds then only load them")
+    c.add_argument("spec")
+    c.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8],
+                   help="the batch sizes the build will capture, comma-separated (default 1,2,4,8)")
+    c.add_argument("--sms", type=_positive,
+                   help=f"SM count of the GPU that will run them (default: this GPU's, else {HOPPER_SMS}: "
+                        "H100/H200 SXM)")
+    c.add_argument("--jobs", type=_positive, help="compile processes (default GRAPHC_COMPILE_JOBS, else "
+                   "the CPU count up to 8)")
+    c.set_defaults(func=cmd_compile)
 
     n = sub.add_parser("bench", help="time the captured step on the GPU against its floor and baselines")
     n.add_argument("spec")

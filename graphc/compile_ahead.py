@@ -154,6 +154,21 @@ def compile_ahead(variants: Iterable[Variant], jobs: int | None = None,
     return done
 
 
+def compile_variants(variants: Iterable[Variant], jobs: int | None = None,
+                     progress: Callable[[str], None] = lambda s: None) -> list[Variant]:
+    """Every uncached variant into the disk cache: by worker processes where there are two or
+    more to compile, then in this process whatever they left (one variant, ``jobs`` <= 1, or a
+    worker's failure, whose real error then surfaces here). Returns those compiled."""
+    from graphc.kernels.compile_cache import reporting_compiles
+
+    todo = uncached(variants)
+    compile_ahead(todo, jobs, progress)
+    with reporting_compiles(progress):
+        for module, key in uncached(todo):
+            kernel_cache(module).get(key)
+    return todo
+
+
 class _Worker:
     """One ``python -m graphc.compile_ahead`` process, fed one variant at a time."""
 

@@ -247,3 +247,38 @@ def test_help_names_every_environment_variable_graphc_reads(capsys):
         main(["--help"])
     listed = set(re.findall(r"^  (GRAPHC_[A-Z_]+)", capsys.readouterr().out, re.M))
     assert read and listed == read
+
+
+def test_compile_fills_the_kernel_cache_without_a_gpu(tmp_path, monkeypatch):
+    """`graphc compile` compiles, for sm_90a, every CuTe DSL variant a GPU build at those batch
+    sizes loads (graphc.compile_ahead.schedule_variants at 132 SMs) into GRAPHC_CACHE_DIR; a
+    second run finds them all."""
+    from graphc.compile_ahead import schedule_variants
+    from graphc.graph import build_graph
+    from graphc.schedule import build_schedule
+    from graphc.spec import load_spec
+
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)         # the command sets it itself
+    graph = build_graph(load_spec(TINY))
+    want = schedule_variants({b: build_schedule(graph, None, batch=b) for b in (1, 2)}, 132)
+    r = run_cli("compile", TINY, "--batch-sizes", "1,2", "--jobs", "2")
+    assert r.returncode == 0, r.stderr
+    assert f"tiny at batch sizes 1, 2: {len(want)} kernel variants for sm_90a, 132 SMs" in r.stdout
+    assert f"compiled {len(want)}, 0 already cached" in r.stdout
+    assert len(list(tmp_path.glob("*.o"))) == len(want)
+    again = run_cli("compile", TINY, "--batch-sizes", "2,1")
+    assert again.returncode == 0 and f"compiled 0, {len(want)} already cached" in again.stdout
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"GRAPHC_KERNEL_CACHE": "0"}, "graphc compile fills the disk kernel cache, which GRAPHC_KERNEL_CACHE=0 switches off"),
+    ({"CUTE_DSL_ARCH": "sm_100a"}, "CUTE_DSL_ARCH=sm_100a: graphc's kernels are sm_90a code (H100/H200)"),
+])
+def test_compile_refuses_what_cannot_fill_the_cache(env, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["compile", TINY]) == 2
+    assert capsys.readouterr().err.strip() == f"graphc: error: {message}"
+    assert list(tmp_path.iterdir()) == []
