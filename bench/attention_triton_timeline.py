@@ -62,7 +62,7 @@ def main() -> None:
     lens = torch.full((T,), CACHED, dtype=torch.int32, device=dev)
     slots = torch.arange(T, dtype=torch.int32, device=dev)
     out = torch.empty(T, HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    stamps = torch.zeros(T * KV_HEADS * nsplit, 5, dtype=torch.int64, device=dev)
+    stamps = torch.zeros(T * KV_HEADS * nsplit, len(da.STAMPS), dtype=torch.int64, device=dev)
     edges = torch.zeros(2, dtype=torch.int64, device=dev)       # first kernel's end, last's entry
     stamp_now = stamp_kernels()
 
@@ -92,7 +92,7 @@ def main() -> None:
         stamps.zero_()
         graphs[True].replay()
         torch.cuda.synchronize()
-        w = stamps.view(T, KV_HEADS, nsplit, 5)[:, :, :live].reshape(-1, 5).cpu().tolist()
+        w = stamps.view(T, KV_HEADS, nsplit, -1)[:, :, :live].reshape(-1, len(da.STAMPS)).cpu().tolist()
         t0, t_next = edges.cpu().tolist()
         us = [[(x - t0) / 1e3 if x else None for x in row] for row in w]
         entry = [r[0] for r in us]

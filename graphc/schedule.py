@@ -191,6 +191,7 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
     cc = f"sm_{capability[0]}{capability[1]}"
     substituted: dict[str, str] = {}
     notes = []
+
     def runnable(op) -> list[str]:
         return [n for n, i in op.implementations.items()
                 if i.runs_on(capability) and i.available() and op.unsupported(n) is None]
