@@ -10,6 +10,20 @@ Pipeline (one module per stage, data flows one way):
 
 __version__ = "0.1.0"
 
+from .errors import GraphcError  # noqa: E402  (every refusal graphc makes; the CLI prints it in one line)
+
+__all__ = ["build", "GraphcError", "SpecError", "__version__"]
+
+
+def __getattr__(name: str):
+    # graphc.SpecError (a GraphcError naming the spec file, line and field) without importing
+    # the spec module, and with it torch, at ``import graphc``.
+    if name == "SpecError":
+        from .spec import SpecError
+
+        return SpecError
+    raise AttributeError(f"module 'graphc' has no attribute {name!r}")
+
 
 def build(*args, **kwargs):
     from .runtime import build as _build

@@ -19,6 +19,7 @@ from .spec import SpecError
 SMALL_MODEL_BYTES = 512 << 20     # reference step runs by default below this weight size
 MAX_BATCH = 512                   # graphc.runtime.MAX_BATCH (importing it here would load torch)
 DEFAULT_CONTEXT = 1024            # tokens per sequence for the floor and the benchmark
+SPEC_HELP = "layer spec YAML file, e.g. layer_specs/tiny.yaml (docs/spec.md)"
 
 
 def _say(msg: str = "") -> None:
@@ -96,7 +97,25 @@ def _writable_folder(path: Path, what: str) -> Path:
         raise GraphcError(f"{what} {path}: a file of that name is in the way") from None
     except OSError as e:
         raise GraphcError(f"{what} {path}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise GraphcError(f"{what} {path}: this user cannot write into it")
     return path
+
+
+def _writable_file(path: Path, what: str) -> Path:
+    """Check, before any work, that ``path`` can be written as a file for ``what`` (its
+    folder is created if missing), or refuse naming why."""
+    if path.is_dir():
+        raise GraphcError(f"{what} {path}: that is a folder; give a file name")
+    _writable_folder(path.parent, f"{what} folder")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise GraphcError(f"{what} {path}: this user cannot overwrite it")
+    return path
+
+
+def _shown_tokens(tokens: list[int]) -> str:
+    """Next tokens for a progress line: the first 8 of a batch."""
+    return f"{tokens[:8]}" + (f" ... ({len(tokens)} rows)" if len(tokens) > 8 else "")
 
 
 def _plural(n: int, word: str) -> str:
@@ -139,6 +158,8 @@ def cmd_build(args) -> int:
     names_file = Path(args.write_weight_names) if args.write_weight_names else None
     if names_file and not names_file.parent.is_dir():
         raise GraphcError(f"--write-weight-names {names_file}: no folder {names_file.parent}")
+    if names_file:
+        _writable_file(names_file, "--write-weight-names")
     out = _writable_folder(Path(args.out or Path("out") / Path(args.spec).stem), "--out")
     (out / "graph.json").write_text(json.dumps(graph_json(graph), indent=1))
     (out / "schedule.txt").write_text(schedules_text(schedules))
@@ -167,7 +188,10 @@ def cmd_build(args) -> int:
     if reference:
         _reference_step(spec, schedule, sizes[0], args.weights)
 
-    if capture:
+    if not capture:
+        _say("  no GPU capture: " + ("--no-capture" if args.no_capture else "no CUDA GPU on this machine")
+             + " (graphc run --device cpu runs the reference executor)")
+    else:
         from .bench import bench_step, format_step_table
 
         rows = bench_step(args.spec, args.batch_sizes, ctx, weights=args.weights,
@@ -191,7 +215,7 @@ def _reference_step(spec, schedule, batch, weights_path):
     t0 = time.perf_counter()
     logits = reference_step(plan, tokens, torch.zeros(batch, dtype=torch.int32))
     _say(f"  reference step on CPU (batch {batch}): {time.perf_counter() - t0:.2f} s, "
-         f"next tokens {logits.float().argmax(-1).tolist()}")
+         f"next tokens {_shown_tokens(logits.float().argmax(-1).tolist())}")
 
 
 def graph_json(graph) -> dict:
@@ -275,11 +299,11 @@ def cmd_viz(args) -> int:
     if args.profile and out.suffix.lower() != ".html":
         raise GraphcError(f"--profile draws measured durations on the schedule timeline: write it to "
                           f"an .html file, not {out.name} (.svg and .dot draw the dataflow graph)")
+    _writable_file(out, "--out")
     profile = _load_profile(args.profile) if args.profile else None
     # Draw the schedule that was measured: the profile names its batch and the implementations.
     batch = (profile or {}).get("batch", args.batch)
     _, _, schedule = _front(args.spec, (profile or {}).get("implementations"), batch=batch)
-    _writable_folder(out.parent, "--out folder")
     write_viz(schedule, out, profile=profile)
     _say(f"wrote {out}")
     return 0
@@ -329,8 +353,7 @@ def cmd_run(args) -> int:
         tokens = logits.float().argmax(-1)
         if device == "cuda":
             torch.cuda.synchronize()
-        _say(f"step {i}: {(time.perf_counter() - t0) * 1e3:8.2f} ms  next tokens {tokens.tolist()[:8]}"
-             + (" ..." if args.batch > 8 else ""))
+        _say(f"step {i}: {(time.perf_counter() - t0) * 1e3:8.2f} ms  next tokens {_shown_tokens(tokens.tolist())}")
     return 0
 
 
@@ -339,6 +362,11 @@ def cmd_bench(args) -> int:
     from .spec import load_spec
 
     context = _context(load_spec(args.spec), args.context)
+    # The results file is written after minutes of timing: refuse a bad --out before them.
+    if args.out:
+        _writable_file(Path(args.out), "--out")
+    else:
+        _writable_folder(Path("bench/results"), "results folder")
     run_bench(args.spec, args.batch_sizes, context=context, out=args.out,
               weights=args.weights, compare=not args.quick, progress=_progress, say=_say,
               power=not args.no_power)
@@ -369,9 +397,10 @@ def cmd_compile(args) -> int:
         arch = os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         if arch != "sm_90a":
             raise GraphcError(f"CUTE_DSL_ARCH={arch}: graphc's kernels are sm_90a code (H100/H200)")
-    from .compile_ahead import compile_variants, schedule_variants
+    from .compile_ahead import compile_variants, kernel_cache, schedule_variants
     from .schedule import build_schedule
 
+    cache_dir = _writable_folder(default_cache_dir(), "kernel cache (GRAPHC_CACHE_DIR)")
     sizes = args.batch_sizes
     spec, graph, _ = _front(args.spec, batch=sizes[0])
     if gpu:
@@ -386,9 +415,13 @@ def cmd_compile(args) -> int:
         target = f"sm_90a, {sms} SMs (no GPU here; --sms for another count)"
     variants = schedule_variants({b: build_schedule(graph, chosen, batch=b) for b in sizes}, sms)
     _say(f"{spec.model.name} at batch sizes {', '.join(map(str, sizes))}: {_plural(len(variants), 'kernel variant')} "
-         f"for {target} -> {default_cache_dir()}")
+         f"for {target} -> {cache_dir}")
     t0 = time.perf_counter()
     compiled = compile_variants(variants, args.jobs, _progress)
+    missing = [v for v in variants if not kernel_cache(v[0]).path(v[1]).is_file()]
+    if missing:
+        raise GraphcError(f"{len(missing)} of {_plural(len(variants), 'kernel variant')} compiled but not "
+                          f"written to {cache_dir} (see the messages above): a build would compile them again")
     _say(f"  compiled {len(compiled)}, {len(variants) - len(compiled)} already cached, in "
          f"{time.perf_counter() - t0:.1f} s; a GPU build at these batch sizes loads them")
     return 0
@@ -403,11 +436,14 @@ def make_parser() -> argparse.ArgumentParser:
                "  GRAPHC_KERNEL_CACHE  0: keep compiled kernels in memory only\n"
                "  GRAPHC_COMPILE_JOBS  processes compiling uncached kernels while weights load\n"
                "                       (default: the CPU count, at most 8; 1: one at a time)")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"graphc {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="validate, schedule, verify and write the graph, schedule "
                        "and pictures; on a GPU machine also capture and time")
-    b.add_argument("spec")
+    b.add_argument("spec", help=SPEC_HELP)
     b.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8],
                    help="batch sizes to schedule (and capture on a GPU), comma-separated (default 1,2,4,8)")
     b.add_argument("--out", help="output folder (default out/<spec name>)")
@@ -422,14 +458,14 @@ def make_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_build)
 
     i = sub.add_parser("inspect", help="print the graph, or one node")
-    i.add_argument("spec")
+    i.add_argument("spec", help=SPEC_HELP)
     i.add_argument("node", nargs="?", help="a node name, e.g. L03.attn.qkv (default: every kernel)")
     i.add_argument("--batch", type=_batch, default=1,
                    help="the batch size whose schedule to show (implementations differ per size)")
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("viz", help="write the dataflow graph (.svg/.dot) or schedule timeline (.html)")
-    v.add_argument("spec")
+    v.add_argument("spec", help=SPEC_HELP)
     v.add_argument("--out", required=True,
                    help="picture file: .svg or .dot (dataflow graph), .html (schedule timeline)")
     v.add_argument("--profile", help="profile JSON (from DecodeStep.profile): the .html timeline to scale")
@@ -438,7 +474,7 @@ def make_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_viz)
 
     r = sub.add_parser("run", help="build and run a few decode steps on random tokens")
-    r.add_argument("spec")
+    r.add_argument("spec", help=SPEC_HELP)
     r.add_argument("--batch", type=_batch, default=1, help="sequences per step (default 1)")
     r.add_argument("--steps", type=_positive, default=4, help="decode steps to run (default 4)")
     r.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where there is a GPU")
@@ -448,7 +484,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="compile the GPU kernels a build needs into the kernel cache "
                        "(no GPU needed): builds then only load them")
-    c.add_argument("spec")
+    c.add_argument("spec", help=SPEC_HELP)
     c.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8],
                    help="the batch sizes the build will capture, comma-separated (default 1,2,4,8)")
     c.add_argument("--sms", type=_positive,
@@ -459,7 +495,7 @@ def make_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compile)
 
     n = sub.add_parser("bench", help="time the captured step on the GPU against its floor and baselines")
-    n.add_argument("spec")
+    n.add_argument("spec", help=SPEC_HELP)
     n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 64],
                    help="batch sizes to capture and time, comma-separated (default 1,8,64)")
     n.add_argument("--context", type=_positive,
@@ -474,7 +510,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `graphc inspect SPEC --batch 2 NODE`: argparse takes the optional NODE only right after SPEC.
+    if args.command == "inspect" and args.node is None and len(extra) == 1 and not extra[0].startswith("-"):
+        args.node, extra = extra[0], []
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except (SpecError, GraphcError) as e:
@@ -484,6 +526,12 @@ def main(argv=None) -> int:
         # The reader went away (graphc inspect SPEC | head): stop quietly, as other tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:
+        # The file system refused a read or write the checks above could not foresee (a
+        # special folder such as /proc, a full disk): one line, like every other refusal.
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"graphc: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

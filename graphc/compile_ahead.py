@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Callable, Iterable, Iterator, Mapping
 
+from .errors import GraphcError
+
 Variant = tuple[str, tuple]            # (kernel module, compile-cache key)
 
 JOBS_ENV = "GRAPHC_COMPILE_JOBS"
@@ -71,7 +73,7 @@ def default_jobs() -> int:
         try:
             return max(int(text), 0)
         except ValueError:
-            raise ValueError(f"{JOBS_ENV}={text!r}: expected a number of processes, e.g. 4") from None
+            raise GraphcError(f"{JOBS_ENV}={text!r}: expected a number of processes, e.g. 4") from None
     return min(os.cpu_count() or 1, MAX_DEFAULT_JOBS)
 
 

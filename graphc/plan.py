@@ -209,9 +209,15 @@ def check_fits(schedule: Schedule, max_batch: int, free_bytes: int, device_name:
         lo, hi = (mid, hi) if need(memory_layout(schedule, mid)) <= free_bytes else (lo, mid)
     fits = lo
     spec = schedule.spec
+    if fits:
+        advice = f"Capture batch sizes up to {fits}, or lower model.max_context ({spec.model.max_context}) in {spec.path}"
+    elif weights + transient_bytes + DEVICE_HEADROOM_BYTES > free_bytes:
+        # No KV cache however small makes room: only a device (or host) with more memory helps.
+        advice = (f"The weights alone ({weights / 1e9:.1f} GB, with the workspace "
+                  f"{(weights + transient_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.1f} GB) do not fit")
+    else:
+        advice = f"No batch size fits: lower model.max_context ({spec.model.max_context}) in {spec.path}"
     raise GraphcError(
         f"{spec.model.name} at batch sizes up to {max_batch} needs {need(layout) / 1e9:.1f} GB of "
         f"{memory}: {layout.describe(weights)}, workspace {(transient_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.1f} GB; "
-        f"{device_name} has {free_bytes / 1e9:.1f} GB free. "
-        + (f"Capture batch sizes up to {fits}, or lower" if fits else "No batch size fits: lower")
-        + f" model.max_context ({spec.model.max_context}) in {spec.path}")
+        f"{device_name} has {free_bytes / 1e9:.1f} GB free. " + advice)

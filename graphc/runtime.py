@@ -77,12 +77,14 @@ class DecodeStep:
     # --- the call ---------------------------------------------------------------------------
     def padded_size(self, batch: int) -> int:
         """The smallest captured batch size that holds ``batch`` rows."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise GraphcError(f"a batch has at least one row, found {batch!r}")
         for size in self.batch_sizes:
             if size >= batch:
                 return size
         raise GraphcError(f"batch of {batch} is larger than every captured batch size "
-                          f"({', '.join(map(str, self.batch_sizes))}); build with a larger "
-                          f"--batch-sizes entry")
+                          f"({', '.join(map(str, self.batch_sizes))}); build with a larger batch size "
+                          f"(graphc.build(..., batch_sizes=[...]); graphc --batch-sizes)")
 
     @_on_step_device
     def __call__(self, tokens: torch.Tensor, seq_lens: torch.Tensor,
@@ -153,22 +155,21 @@ class DecodeStep:
 
     # --- state ------------------------------------------------------------------------------
     @_on_step_device
-    def reset(self, cache_slots: Sequence[int] | None = None) -> None:
-        """Start new sequences: clear the KV cache of the given slots (default: all)."""
+    def reset(self, cache_slots: Sequence[int] | torch.Tensor | int | None = None) -> None:
+        """Start new sequences: clear the KV cache of the given slots (default: all). Slots
+        are given as ``__call__`` takes them (an integer tensor) or as Python integers: one,
+        or any sequence of them (an empty one clears nothing)."""
         if cache_slots is not None:
-            slots = list(cache_slots)
-            bad = [s for s in slots if not isinstance(s, int) or not 0 <= s < self.plan.max_batch]
-            if bad:
-                raise GraphcError(f"reset: cache slots must be integers in [0, {self.plan.max_batch}), "
-                                  f"found {bad[0]!r}")
-            cache_slots = slots
+            cache_slots = _slot_list(cache_slots, self.plan.max_batch)
+            if not cache_slots:
+                return
         for name, buf in self.plan.buffers.items():
             if buf.kind == "state" and buf.dims and buf.dims[0] == "slots":
                 cache = self.plan.storage[name]
                 if cache_slots is None:
                     cache.zero_()
                 else:
-                    cache[torch.as_tensor(list(cache_slots), device=cache.device)] = 0
+                    cache[torch.tensor(cache_slots, dtype=torch.long, device=cache.device)] = 0
 
     @_on_step_device
     def load_weights(self, path: str | os.PathLike) -> None:
@@ -277,6 +278,26 @@ def batch_size_list(batch_sizes) -> list[int]:
     return sizes
 
 
+def _slot_list(cache_slots, max_batch: int) -> list[int]:
+    """``reset``'s slots as Python ints, each checked to be a slot of this build."""
+    if isinstance(cache_slots, torch.Tensor):
+        if cache_slots.is_floating_point() or cache_slots.is_complex() or cache_slots.dtype == torch.bool:
+            raise GraphcError(f"reset: cache slots must be integers, found a {cache_slots.dtype} tensor")
+        slots = [int(s) for s in cache_slots.reshape(-1).tolist()]
+    else:
+        one = isinstance(cache_slots, (str, bytes)) or not hasattr(cache_slots, "__iter__")
+        items = [cache_slots] if one else list(cache_slots)
+        slots = []
+        for s in items:
+            if isinstance(s, bool) or not hasattr(s, "__index__"):
+                raise GraphcError(f"reset: cache slots must be integers in [0, {max_batch}), found {s!r}")
+            slots.append(s.__index__())       # numpy integers too
+    bad = [s for s in slots if not 0 <= s < max_batch]
+    if bad:
+        raise GraphcError(f"reset: cache slots must be integers in [0, {max_batch}), found {bad[0]}")
+    return slots
+
+
 def run_device(device) -> torch.device:
     """The device a step runs on: a CUDA GPU (cuda:N once known) or the CPU."""
     try:
@@ -289,9 +310,11 @@ def run_device(device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GraphcError("device 'cuda' requested but no CUDA GPU is available; run on the CPU "
                           "instead (device='cpu'; graphc run --device cpu)")
-    if dev.type == "cuda" and dev.index is None:
+    if dev.type == "cpu":
+        return torch.device("cpu")      # "cpu:0" is the CPU too, and CPU tensors report plain "cpu"
+    if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())   # tensors report cuda:N
-    if dev.type == "cuda" and dev.index >= torch.cuda.device_count():
+    if dev.index >= torch.cuda.device_count():
         count = torch.cuda.device_count()
         raise GraphcError(f"device {device!r}: this machine has {count} CUDA GPU{'s' if count != 1 else ''} "
                           f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''})")

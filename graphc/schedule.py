@@ -204,6 +204,10 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
                 raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} needs "
                                   f"{_ARCH_WORDS[impl.arch]}; {gpu} is {cc}. Choose one of "
                                   f"{', '.join(runnable(op)) or 'none: no implementation runs there'}")
+            if impl is not None and not impl.available():
+                raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} is not available "
+                                  f"here (its package is not installed). Choose one of "
+                                  f"{', '.join(runnable(op)) or 'none: no implementation runs there'}")
             continue
         if op.kind in substituted:
             continue

@@ -31,6 +31,7 @@ import yaml
 from yaml.events import AliasEvent, NodeEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from graphc.errors import GraphcError
 from graphc.ops.attn_res_math import MAX_SAVED_BLOCKS, SUPPORTED_HIDDEN_RULE, cluster_shape
 
 __all__ = [
@@ -75,7 +76,7 @@ _STR, _INT, _FLOAT, _BOOL, _NULL = (_TAG + t for t in ("str", "int", "float", "b
 # ---------------------------------------------------------------------------------------------
 
 
-class SpecError(Exception):
+class SpecError(GraphcError):
     """One mistake in a spec file: where it is, which field, what was expected and found.
 
     ``str(err) == f"{file}:{line}: {field}: expected {expected}, found {found}"``, with

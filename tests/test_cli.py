@@ -109,8 +109,8 @@ def _garbage_weights(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("case", ["not safetensors", "wrong names", "names folder missing", "out is a file",
-                                  "reference too large"])
+@pytest.mark.parametrize("case", ["not safetensors", "wrong names", "names folder missing", "names is a folder",
+                                  "out is a file", "reference too large"])
 def test_a_refused_build_writes_nothing(tmp_path, case):
     """Whatever a build needs is checked before its first file is written, with or without the
     reference step that reads the weights."""
@@ -129,6 +129,9 @@ def test_a_refused_build_writes_nothing(tmp_path, case):
     elif case == "names folder missing":
         argv += ["--write-weight-names", str(tmp_path / "nowhere" / "names.txt")]
         message = f"no folder {tmp_path / 'nowhere'}"
+    elif case == "names is a folder":
+        argv += ["--write-weight-names", str(tmp_path)]
+        message = f"--write-weight-names {tmp_path}: that is a folder; give a file name"
     elif case == "out is a file":
         out.write_text("a file")
         message = f"--out {out}: a file of that name is in the way"
@@ -183,6 +186,48 @@ def test_inspect_lists_kernels_and_one_node(capsys):
     assert main(["inspect", TINY, "L02.attn_res.attn"]) == 0
     out = capsys.readouterr().out
     assert "write      1" in out and "pdl edge" in out
+    # The node may also come after the options, as users type it.
+    assert main(["inspect", TINY, "--batch", "1", "L02.attn_res.attn"]) == 0
+    assert capsys.readouterr().out == out
+    with pytest.raises(SystemExit):
+        main(["inspect", TINY, "--batch", "2", "L02.attn_res.attn", "L03.attn.qkv"])
+    assert "unrecognized arguments: L02.attn_res.attn L03.attn.qkv" in capsys.readouterr().err
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
+    """A folder where a file is wanted is refused by name, before the work that would write it
+    (a bench's results come after minutes of timing: refused here on a machine without a GPU,
+    before the GPU is even looked for)."""
+    for argv in (["viz", TINY, "--out", str(tmp_path)], ["bench", TINY, "--out", str(tmp_path)]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip() == f"graphc: error: --out {tmp_path}: that is a folder; give a file name"
+
+
+def test_a_file_system_refusal_is_one_line(tmp_path, monkeypatch, capsys):
+    """What no check foresaw (a special folder, a full disk) still ends in one line, exit 2."""
+    import graphc.viz
+
+    def refuse(schedule, out, profile=None):
+        raise PermissionError(13, "Permission denied", str(out))
+
+    monkeypatch.setattr(graphc.viz, "write_viz", refuse)
+    assert main(["viz", TINY, "--out", str(tmp_path / "g.svg")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"graphc: error: {tmp_path / 'g.svg'}: Permission denied"
+
+
+def test_version(capsys):
+    import graphc
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"graphc {graphc.__version__}"
+
+
+def test_long_batches_show_their_first_tokens():
+    from graphc.cli import _shown_tokens
+
+    assert _shown_tokens([5, 6]) == "[5, 6]"
+    assert _shown_tokens(list(range(12))) == "[0, 1, 2, 3, 4, 5, 6, 7] ... (12 rows)"
 
 
 @pytest.mark.parametrize("suffix", ["svg", "html", "dot"])
@@ -282,3 +327,21 @@ def test_compile_refuses_what_cannot_fill_the_cache(env, message, tmp_path, monk
     assert main(["compile", TINY]) == 2
     assert capsys.readouterr().err.strip() == f"graphc: error: {message}"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_refuses_a_cache_it_cannot_fill_and_a_bad_job_count(tmp_path, monkeypatch, capsys):
+    """Nothing is compiled into a cache that cannot keep it (compiling would only be lost), and
+    a GRAPHC_COMPILE_JOBS that is no number is named, not a traceback."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file")
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(blocker))
+    assert main(["compile", TINY]) == 2
+    assert capsys.readouterr().err.strip() == (f"graphc: error: kernel cache (GRAPHC_CACHE_DIR) {blocker}: "
+                                               "a file of that name is in the way")
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("GRAPHC_COMPILE_JOBS", "abc")
+    assert main(["compile", TINY, "--batch-sizes", "1"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "graphc: error: GRAPHC_COMPILE_JOBS='abc': expected a number of processes, e.g. 4")
+    assert list((tmp_path / "kernels").iterdir()) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from graphc import compile_ahead as ca
+from graphc.errors import GraphcError
 from graphc.graph import build_graph
 from graphc.kernels import attn_res, decode_attention_tma, gemm, gemm_wide
 from graphc.ops.attention import TMA_MIN_BATCH, DecodeAttentionOp
@@ -68,7 +69,7 @@ def test_the_jobs_setting_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv(ca.JOBS_ENV, "3")
     assert ca.default_jobs() == 3
     monkeypatch.setenv(ca.JOBS_ENV, "four")
-    with pytest.raises(ValueError, match="GRAPHC_COMPILE_JOBS='four'"):
+    with pytest.raises(GraphcError, match="GRAPHC_COMPILE_JOBS='four'"):
         ca.default_jobs()
     monkeypatch.delenv(ca.JOBS_ENV)
     assert 1 <= ca.default_jobs() <= ca.MAX_DEFAULT_JOBS
@@ -123,7 +124,7 @@ def test_compiling_in_the_background_stops_when_the_build_fails(monkeypatch, tmp
     assert len(list(tmp_path.glob("*.o"))) < len(variants)
     monkeypatch.setenv(ca.JOBS_ENV, "many")
     ran = []
-    with pytest.raises(ValueError, match="GRAPHC_COMPILE_JOBS"):
+    with pytest.raises(GraphcError, match="GRAPHC_COMPILE_JOBS"):
         with ca.compiling_ahead(variants):
             ran.append(True)
     assert ran == []

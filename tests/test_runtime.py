@@ -184,8 +184,28 @@ def test_weight_file_with_wrong_names_is_refused(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"nope": torch.zeros(2, dtype=torch.bfloat16)}, str(tmp_path / "w.safetensors"))
-    with pytest.raises(GraphcError, match="missing L00.attn.*unexpected nope"):
+    with pytest.raises(GraphcError, match="missing L00.attn.*; not in the spec nope \\(graphc build"):
         graphc.build("layer_specs/tiny.yaml", [1], weights=tmp_path / "w.safetensors", device="cpu",
+                     progress=None)
+
+
+def test_another_models_weights_are_named_as_such(tmp_path):
+    """A file whose shared names have other shapes is another model's: the refusal says so,
+    not only which names are missing."""
+    from safetensors.torch import save_file
+
+    from graphc.graph import build_graph, weight_shapes
+    from graphc.spec import load_spec
+
+    shapes = weight_shapes(build_graph(load_spec("layer_specs/tiny.yaml")))
+    names = list(shapes)
+    other = {n: torch.zeros([2 * d for d in shapes[n]], dtype=torch.bfloat16) for n in names[1:4]}
+    save_file(other, str(tmp_path / "other.safetensors"))
+    first = sorted(other)[0]
+    with pytest.raises(GraphcError, match=rf"missing .*; 3 of the names in both have other "
+                                          rf"shapes \(e\.g\. {first}: \[\d+\], the spec needs \[\d+\]\), so the file is probably for "
+                                          rf"another model"):
+        graphc.build("layer_specs/tiny.yaml", [1], weights=tmp_path / "other.safetensors", device="cpu",
                      progress=None)
 
 

@@ -275,3 +275,20 @@ def test_a_choice_the_gpu_cannot_run_is_refused_by_name():
     # A choice that runs there stands, and the other kinds still get portable ones.
     chosen, notes, _ = _schedules_for(graph, (8, 0), {"L00.attn.qkv": "cublas"})
     assert chosen["L00.attn.qkv"] == "cublas" and chosen["attn_res"] == "torch"
+
+
+def test_a_choice_that_is_not_installed_is_refused_by_name(monkeypatch):
+    """Asking for Triton's attention where Triton is not installed fails at the build, naming
+    the node and what else runs, not later in the warm-up."""
+    import dataclasses
+
+    from graphc.errors import GraphcError
+    from graphc.ops.attention import DecodeAttentionOp
+
+    missing = dataclasses.replace(DecodeAttentionOp.implementations["triton"], available=lambda: False)
+    monkeypatch.setitem(DecodeAttentionOp.implementations, "triton", missing)
+    graph = build_graph(load_spec("layer_specs/tiny.yaml"))
+    with pytest.raises(GraphcError, match=r"L00\.attn\.attention: implementation 'triton' of decode_attention "
+                                          r"is not available here \(its package is not installed\)\. "
+                                          r"Choose one of .*torch"):
+        _schedules_for(graph, (9, 0), {"decode_attention": "triton"})
