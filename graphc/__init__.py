@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 from .errors import GraphcError  # noqa: E402  (every refusal graphc makes; the CLI prints it in one line)
 
-__all__ = ["build", "GraphcError", "SpecError", "__version__"]
+__all__ = ["build", "GraphcError", "__version__"]   # and graphc.SpecError, loaded on first use
 
 
 def __getattr__(name: str):

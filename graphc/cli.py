@@ -13,8 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import GraphcError
-from .spec import SpecError
+from .errors import GraphcError      # SpecError too (its subclass): the spec module loads torch
 
 SMALL_MODEL_BYTES = 512 << 20     # reference step runs by default below this weight size
 MAX_BATCH = 512                   # graphc.runtime.MAX_BATCH (importing it here would load torch)
@@ -90,27 +89,37 @@ def _context(spec, requested: int | None) -> int:
 
 
 def _writable_folder(path: Path, what: str) -> Path:
-    """Create the folder ``path`` (and its parents) for ``what``, or refuse naming why."""
+    """Create the folder ``path`` (and its parents) for ``what``, or refuse naming why; a
+    refusal creates nothing."""
+    _check_writable(path, what, folder=True)
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise GraphcError(f"{what} {path}: a file of that name is in the way") from None
     except OSError as e:
         raise GraphcError(f"{what} {path}: cannot create it ({e.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise GraphcError(f"{what} {path}: this user cannot write into it")
     return path
 
 
 def _writable_file(path: Path, what: str) -> Path:
-    """Check, before any work, that ``path`` can be written as a file for ``what`` (its
-    folder is created if missing), or refuse naming why."""
-    if path.is_dir():
-        raise GraphcError(f"{what} {path}: that is a folder; give a file name")
-    _writable_folder(path.parent, f"{what} folder")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise GraphcError(f"{what} {path}: this user cannot overwrite it")
+    """Check, before any work and without creating anything, that ``path`` can be written as a
+    file for ``what`` (an existing file overwritten, or a new one in folders that exist or can
+    be created), or refuse naming why."""
+    _check_writable(path, what, folder=False)
     return path
+
+
+def _check_writable(path: Path, what: str, folder: bool) -> None:
+    if path.exists():
+        if path.is_dir() != folder:
+            raise GraphcError(f"{what} {path}: " + ("a file of that name is in the way" if folder
+                                                    else "that is a folder; give a file name"))
+        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
+            raise GraphcError(f"{what} {path}: this user cannot " + ("write into it" if folder else "overwrite it"))
+        return
+    existing = next(p for p in path.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise GraphcError(f"{what} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise GraphcError(f"{what} {path}: this user cannot write into {existing}")
 
 
 def _shown_tokens(tokens: list[int]) -> str:
@@ -304,6 +313,7 @@ def cmd_viz(args) -> int:
     # Draw the schedule that was measured: the profile names its batch and the implementations.
     batch = (profile or {}).get("batch", args.batch)
     _, _, schedule = _front(args.spec, (profile or {}).get("implementations"), batch=batch)
+    _writable_folder(out.parent, "--out folder")
     write_viz(schedule, out, profile=profile)
     _say(f"wrote {out}")
     return 0
@@ -362,11 +372,10 @@ def cmd_bench(args) -> int:
     from .spec import load_spec
 
     context = _context(load_spec(args.spec), args.context)
-    # The results file is written after minutes of timing: refuse a bad --out before them.
-    if args.out:
-        _writable_file(Path(args.out), "--out")
-    else:
-        _writable_folder(Path("bench/results"), "results folder")
+    # The results file is written after minutes of timing: refuse a bad --out before them
+    # (without creating anything: the default file's name needs the GPU's).
+    _writable_file(Path(args.out) if args.out else Path("bench/results/step.json"),
+                   "--out" if args.out else "results file in")
     run_bench(args.spec, args.batch_sizes, context=context, out=args.out,
               weights=args.weights, compare=not args.quick, progress=_progress, say=_say,
               power=not args.no_power)
@@ -420,8 +429,10 @@ def cmd_compile(args) -> int:
     compiled = compile_variants(variants, args.jobs, _progress)
     missing = [v for v in variants if not kernel_cache(v[0]).path(v[1]).is_file()]
     if missing:
+        module, key = missing[0]
         raise GraphcError(f"{len(missing)} of {_plural(len(variants), 'kernel variant')} compiled but not "
-                          f"written to {cache_dir} (see the messages above): a build would compile them again")
+                          f"written to {cache_dir} (the first: {kernel_cache(module).path(key).name}); "
+                          f"check its free space and permissions: a build would compile them again")
     _say(f"  compiled {len(compiled)}, {len(variants) - len(compiled)} already cached, in "
          f"{time.perf_counter() - t0:.1f} s; a GPU build at these batch sizes loads them")
     return 0
@@ -519,7 +530,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except (SpecError, GraphcError) as e:
+    except GraphcError as e:
         print(f"graphc: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
@@ -527,10 +538,13 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as e:
-        # The file system refused a read or write the checks above could not foresee (a
-        # special folder such as /proc, a full disk): one line, like every other refusal.
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"graphc: error: {where}{e.strerror or e}", file=sys.stderr)
+        # The file system refused a read or write of a named file that the checks could not
+        # foresee (a special folder such as /proc, a full disk): one line, like every other
+        # refusal. An OSError about no file is graphc's or a library's: its traceback stays.
+        if e.filename is None:
+            raise
+        where = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
+        print(f"graphc: error: {where}: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -211,10 +211,10 @@ def check_fits(schedule: Schedule, max_batch: int, free_bytes: int, device_name:
     spec = schedule.spec
     if fits:
         advice = f"Capture batch sizes up to {fits}, or lower model.max_context ({spec.model.max_context}) in {spec.path}"
-    elif weights + transient_bytes + DEVICE_HEADROOM_BYTES > free_bytes:
+    elif weights and weights + transient_bytes + DEVICE_HEADROOM_BYTES > free_bytes:
         # No KV cache however small makes room: only a device (or host) with more memory helps.
-        advice = (f"The weights alone ({weights / 1e9:.1f} GB, with the workspace "
-                  f"{(weights + transient_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.1f} GB) do not fit")
+        advice = (f"The weights alone ({weights / 1e9:.1f} GB, {(weights + transient_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.1f} "
+                  f"GB with the workspace) do not fit: this model needs a device with more memory.")
     else:
         advice = f"No batch size fits: lower model.max_context ({spec.model.max_context}) in {spec.path}"
     raise GraphcError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import operator
 import os
 import sys
 import time
@@ -77,8 +78,15 @@ class DecodeStep:
     # --- the call ---------------------------------------------------------------------------
     def padded_size(self, batch: int) -> int:
         """The smallest captured batch size that holds ``batch`` rows."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise GraphcError(f"a batch has at least one row, found {batch!r}")
+        try:
+            rows = operator.index(batch) if not isinstance(batch, bool) else None
+        except TypeError:
+            rows = None
+        if rows is None:
+            raise GraphcError(f"a batch size is an integer number of rows, found {batch!r}")
+        if rows < 1:
+            raise GraphcError(f"a batch has at least one row, found {rows}")
+        batch = rows
         for size in self.batch_sizes:
             if size >= batch:
                 return size
@@ -279,22 +287,25 @@ def batch_size_list(batch_sizes) -> list[int]:
 
 
 def _slot_list(cache_slots, max_batch: int) -> list[int]:
-    """``reset``'s slots as Python ints, each checked to be a slot of this build."""
-    if isinstance(cache_slots, torch.Tensor):
-        if cache_slots.is_floating_point() or cache_slots.is_complex() or cache_slots.dtype == torch.bool:
-            raise GraphcError(f"reset: cache slots must be integers, found a {cache_slots.dtype} tensor")
-        slots = [int(s) for s in cache_slots.reshape(-1).tolist()]
-    else:
-        one = isinstance(cache_slots, (str, bytes)) or not hasattr(cache_slots, "__iter__")
-        items = [cache_slots] if one else list(cache_slots)
-        slots = []
-        for s in items:
-            if isinstance(s, bool) or not hasattr(s, "__index__"):
-                raise GraphcError(f"reset: cache slots must be integers in [0, {max_batch}), found {s!r}")
-            slots.append(s.__index__())       # numpy integers too
-    bad = [s for s in slots if not 0 <= s < max_batch]
+    """``reset``'s slots (one integer, a sequence of them, a numpy array or an integer tensor)
+    as Python ints, each checked to be a slot of this build."""
+    wanted = f"reset: cache slots are integers in [0, {max_batch})"
+    if isinstance(cache_slots, (str, bytes)):
+        raise GraphcError(f"{wanted}, found {cache_slots!r}")
+    try:
+        t = torch.as_tensor(cache_slots)
+    except (TypeError, ValueError, RuntimeError):
+        raise GraphcError(f"{wanted}, found {cache_slots!r}") from None
+    if t.numel() == 0:
+        return []
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise GraphcError(f"{wanted}, found {t.dtype} values")
+    if t.dim() > 1:
+        raise GraphcError(f"{wanted}: one or a 1-D sequence, found shape {list(t.shape)}")
+    slots = [int(x) for x in t.reshape(-1).tolist()]
+    bad = [x for x in slots if not 0 <= x < max_batch]
     if bad:
-        raise GraphcError(f"reset: cache slots must be integers in [0, {max_batch}), found {bad[0]}")
+        raise GraphcError(f"{wanted}, found {bad[0]}")
     return slots
 
 
@@ -311,6 +322,8 @@ def run_device(device) -> torch.device:
         raise GraphcError("device 'cuda' requested but no CUDA GPU is available; run on the CPU "
                           "instead (device='cpu'; graphc run --device cpu)")
     if dev.type == "cpu":
+        if dev.index not in (None, 0):
+            raise GraphcError(f"device {device!r}: the CPU is 'cpu' (or 'cpu:0')")
         return torch.device("cpu")      # "cpu:0" is the CPU too, and CPU tensors report plain "cpu"
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())   # tensors report cuda:N

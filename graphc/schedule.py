@@ -207,7 +207,7 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
             if impl is not None and not impl.available():
                 raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} is not available "
                                   f"here (its package is not installed). Choose one of "
-                                  f"{', '.join(runnable(op)) or 'none: no implementation runs there'}")
+                                  f"{', '.join(runnable(op)) or 'none: no implementation runs here'}")
             continue
         if op.kind in substituted:
             continue

@@ -81,6 +81,8 @@ def _checked_file(path, shapes, device):
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise GraphcError(f"{path}: a folder, not a weights file (give the .safetensors file)")
     if not path.is_file():
         raise GraphcError(f"{path}: no such weights file")
     try:

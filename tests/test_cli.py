@@ -189,8 +189,9 @@ def test_inspect_lists_kernels_and_one_node(capsys):
     # The node may also come after the options, as users type it.
     assert main(["inspect", TINY, "--batch", "1", "L02.attn_res.attn"]) == 0
     assert capsys.readouterr().out == out
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as refused:
         main(["inspect", TINY, "--batch", "2", "L02.attn_res.attn", "L03.attn.qkv"])
+    assert refused.value.code == 2
     assert "unrecognized arguments: L02.attn_res.attn L03.attn.qkv" in capsys.readouterr().err
 
 
@@ -201,6 +202,23 @@ def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
     for argv in (["viz", TINY, "--out", str(tmp_path)], ["bench", TINY, "--out", str(tmp_path)]):
         assert main(argv) == 2
         assert capsys.readouterr().err.strip() == f"graphc: error: --out {tmp_path}: that is a folder; give a file name"
+
+
+def test_folders_this_user_cannot_write_are_refused_by_name(tmp_path, monkeypatch, capsys):
+    """(The tests may run as root, for whom every folder is writable: os.access is faked.)"""
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    (tmp_path / "out").mkdir()
+    assert main(["build", TINY, "--out", str(tmp_path / "out"), "--no-reference"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"graphc: error: --out {tmp_path / 'out'}: this user "
+                                                        "cannot write into it")
+    assert main(["build", TINY, "--out", str(tmp_path / "a" / "b"), "--no-reference"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"graphc: error: --out {tmp_path / 'a' / 'b'}: this user "
+                                                        f"cannot write into {tmp_path}")
+    assert not (tmp_path / "a").exists()
+    assert main(["viz", TINY, "--out", str(tmp_path / "new" / "g.svg")]) == 2
+    assert capsys.readouterr().err.strip() == (f"graphc: error: --out {tmp_path / 'new' / 'g.svg'}: this user "
+                                               f"cannot write into {tmp_path}")
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_file_system_refusal_is_one_line(tmp_path, monkeypatch, capsys):
@@ -345,3 +363,21 @@ def test_compile_refuses_a_cache_it_cannot_fill_and_a_bad_job_count(tmp_path, mo
     assert capsys.readouterr().err.strip().endswith(
         "graphc: error: GRAPHC_COMPILE_JOBS='abc': expected a number of processes, e.g. 4")
     assert list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_compile_fails_when_a_kernel_did_not_reach_the_disk(tmp_path, monkeypatch, capsys):
+    """A cache that takes nothing (a full disk, say: the store is faked to write nothing) is a
+    failure, not 'compiled 1': a build would compile the kernel again."""
+    import graphc.compile_ahead as ca
+    from graphc.kernels.compile_cache import CompileCache
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
+    real = ca.schedule_variants
+    monkeypatch.setattr(ca, "schedule_variants", lambda schedules, sms: [
+        v for v in real(schedules, sms) if v[0].endswith("attn_res")][:1])
+    monkeypatch.setattr(CompileCache, "_store", lambda self, key, fn: None)
+    assert main(["compile", TINY, "--batch-sizes", "1", "--jobs", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"graphc: error: 1 of 1 kernel variant compiled but not written to {tmp_path} "
+                          "(the first: attn_res-") and err.endswith("a build would compile them again")

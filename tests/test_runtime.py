@@ -1,6 +1,7 @@
 """DecodeStep on the CPU (reference executor behind the same API): batch selection, padding
 into the scratch slot, and every refused input leaving the KV cache untouched."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,11 +82,42 @@ def test_reset_clears_chosen_slots(step):
     assert kv[0].abs().sum() > 0 and kv[1].abs().sum() == 0
 
 
-@pytest.mark.parametrize("slots", [[99], [-1], ["0"], [0.5]])
+@pytest.mark.parametrize("slots", [1, np.int64(1), np.array([1]), torch.tensor([1]), (1,), range(1, 2)])
+def test_reset_takes_slots_in_the_forms_a_caller_has(step, slots):
+    """One integer, a sequence, a numpy array or integer, or a tensor as ``__call__`` takes
+    them: slot 1 is cleared, slot 0 kept."""
+    step(torch.tensor([7, 8]), torch.tensor([0, 0], dtype=torch.int32))
+    step.reset(slots)
+    kv = step.plan.storage["L00.kv"]
+    assert kv[0].abs().sum() > 0 and kv[1].abs().sum() == 0
+    before = kv_state(step)
+    step.reset([])                       # nothing to clear
+    assert all(torch.equal(before[n], t) for n, t in kv_state(step).items())
+
+
+def test_batch_sizes_are_integers_of_any_kind(step):
+    assert step.schedule_for(np.int64(3)) is step.schedules[4]
+    assert step.padded_size(torch.tensor(2)) == 4
+    for bad, message in [(0, "at least one row, found 0"), (2.5, "an integer number of rows, found 2.5"),
+                         (True, "an integer number of rows, found True")]:
+        with pytest.raises(GraphcError, match=message):
+            step.schedule_for(bad)
+
+
+def test_the_cpu_is_cpu_or_cpu_0():
+    from graphc.runtime import run_device
+
+    assert run_device("cpu:0") == torch.device("cpu") == run_device("cpu")
+    with pytest.raises(GraphcError, match="the CPU is 'cpu'"):
+        run_device("cpu:1")
+
+
+@pytest.mark.parametrize("slots", [[99], [-1], ["0"], [0.5], "0", torch.tensor([0.5]), [True],
+                                   np.array([[0, 1]]), [torch.tensor(1.5)]])
 def test_reset_refuses_slots_the_step_does_not_have(step, slots):
     step(torch.tensor([7, 8]), torch.tensor([0, 0], dtype=torch.int32))
     before = kv_state(step)
-    with pytest.raises(GraphcError, match=r"reset: cache slots must be integers in \[0, 4\)"):
+    with pytest.raises(GraphcError, match=r"reset: cache slots are integers in \[0, 4\)"):
         step.reset(slots)                # -1 would be the scratch slot by Python's indexing
     assert all(torch.equal(before[n], t) for n, t in kv_state(step).items())
 
