@@ -26,9 +26,29 @@ def __getattr__(name: str):
 
 
 def build(*args, **kwargs):
+    """Build a ``DecodeStep``: validate the spec, schedule and verify every batch size's kernels,
+    compile the kernels and capture one CUDA graph per batch size.
+
+    ``build(spec, batch_sizes=(1, 2, 4, 8), weights=None, device="cuda", implementations=None,
+    use_pdl=True, seed=0, progress=print_to_stderr, compile_jobs=None)``
+
+    spec:            a layer spec path (``layer_specs/*.yaml``, docs/spec.md) or a loaded ``Spec``.
+    batch_sizes:     the batch sizes to capture (1 to 512); a call with b rows replays the
+                     smallest captured size >= b.
+    weights:         None (seeded random, ``seed``), a ``.safetensors`` path whose names and
+                     shapes ``graphc build SPEC --write-weight-names FILE`` lists, or a ``Weights``.
+    device:          "cuda", "cuda:N", or "cpu" (the op-by-op reference executor, no graphs).
+    implementations: overrides by op kind or node name, e.g. ``{"linear": "cublas"}`` or
+                     ``{"L03.mlp.down": "cute"}``; the default is what was measured fastest at
+                     each batch size.
+    use_pdl:         False puts full edges everywhere (for A/B comparisons).
+    progress:        called with one line per build stage; None for silence.
+    compile_jobs:    processes compiling uncached kernels while the weights load (None:
+                     ``GRAPHC_COMPILE_JOBS``, else the CPU count up to 8; 0 or 1: none).
+
+    Every refusal (a spec mistake, an unsupported shape, a build that cannot fit, a bad weights
+    file) raises a ``graphc.GraphcError`` naming the problem, before anything is allocated.
+    """
     from .runtime import build as _build
 
     return _build(*args, **kwargs)
-
-
-build.__doc__ = "See graphc.runtime.build."

@@ -376,12 +376,11 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
           weights: Weights | str | os.PathLike | None = None, device: str = "cuda",
           implementations: dict | None = None, use_pdl: bool = True, seed: int = 0,
           progress: Callable[[str], None] | None = _log, compile_jobs: int | None = None) -> DecodeStep:
-    """Validate, schedule, plan, compile and capture: one CUDA graph per batch size.
+    """Validate, schedule, plan, compile and capture: one CUDA graph per batch size. The
+    parameters are described on ``graphc.build``, the public entry point.
 
-    weights: None (seeded random), a safetensors path, or a ``Weights`` on ``device``.
-    compile_jobs: processes compiling uncached kernel variants while the weights load (None:
-    ``GRAPHC_COMPILE_JOBS``, else the CPU count up to 8; 0 or 1: the warm-up compiles them;
-    graphc/compile_ahead.py). Meanwhile ``progress`` also hears from a background thread.
+    Compiling ahead (graphc/compile_ahead.py) runs while the weights load, so ``progress`` also
+    hears from a background thread meanwhile.
     """
     progress = progress or (lambda s: None)
     spec = spec if isinstance(spec, Spec) else load_spec(spec)

@@ -94,6 +94,9 @@ class Schedule:
                 seen.append(k.impl)
         return {kind: "/".join(impls) for kind, impls in kinds.items()}
 
+    def __repr__(self) -> str:
+        return f"<Schedule of {self.spec.model.name}: {len(self.kernels)} kernels, {self.describe()}>"
+
     def describe(self) -> str:
         """One line for people: ``"33 PDL edges; embedding torch, linear cute/cublas, ..."``."""
         impls = ", ".join(f"{kind} {impl}" for kind, impl in self.implementation_summary().items())

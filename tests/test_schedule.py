@@ -292,3 +292,10 @@ def test_a_choice_that_is_not_installed_is_refused_by_name(monkeypatch):
                                           r"is not available here \(its package is not installed\)\. "
                                           r"Choose one of .*torch"):
         _schedules_for(graph, (9, 0), {"decode_attention": "triton"})
+
+
+def test_a_schedule_prints_as_one_line():
+    graph = build_graph(load_spec("layer_specs/tiny.yaml"))
+    schedule = build_schedule(graph, {"linear": "cublas", "attn_res": "torch", "decode_attention": "torch"}, batch=1)
+    assert repr(schedule) == ("<Schedule of tiny: 31 kernels, 0 PDL edges; embedding torch, attn_res torch, "
+                              "linear cublas, decode_attention torch>")
