@@ -65,6 +65,8 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 # YAML 1.1 (PyYAML) only resolves floats that contain a dot, so a plain `1e-6` arrives as a
 # string. For float fields we accept such plain (unquoted) decimal literals as numbers.
+# YAML 1.1 integers that do not mean what they look like: octal (0256 is 174) and base 60 (4:16 is 256).
+_SURPRISING_INT_RE = re.compile(r"[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+)\Z")
 _DECIMAL_RE = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?\Z")
 
 _TAG = "tag:yaml.org,2002:"
@@ -372,8 +374,9 @@ class _Loader(yaml.SafeLoader):
 
 
 def _compose(text: str, file: str) -> Node | None:
-    loader = _Loader(text)
+    loader = None
     try:
+        loader = _Loader(text)           # PyYAML refuses unprintable characters here already
         return loader.get_single_node()
     except _Refused as e:
         raise SpecError(file, e.event.start_mark.line + 1, "<document>", e.expected, e.found) from None
@@ -387,11 +390,16 @@ def _compose(text: str, file: str) -> Node | None:
         raise SpecError(file, mark.line + 1 if mark else None, "<document>", "well-formed YAML", problem) from None
     except yaml.reader.ReaderError as e:
         line = text[: e.position].count("\n") + 1 if isinstance(e.position, int) else None
-        raise SpecError(file, line, "<document>", "printable YAML text", f"the character {e.character!r}") from None
+        char = chr(e.character) if isinstance(e.character, int) else e.character
+        raise SpecError(file, line, "<document>", "printable YAML text", f"the character {char!r}") from None
     except yaml.YAMLError as e:
         raise SpecError(file, None, "<document>", "well-formed YAML", str(e)) from None
+    except RecursionError:
+        raise SpecError(file, None, "<document>", "YAML nested at most a few hundred levels deep",
+                        "deeper nesting") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,6 +460,10 @@ class _Parser:
     def integer(self, node: Node, field: str, what: str) -> int:
         if not (isinstance(node, ScalarNode) and node.tag == _INT):
             self.fail(node, field, what, _found(node))
+        if _SURPRISING_INT_RE.match(node.value):
+            # YAML 1.1 reads 0256 as octal 174 and 4:16 as base 60 (256): never what was meant.
+            self.fail(node, field, what, f"{node.value} (YAML 1.1 reads it as {self.scalar(node)}; write a "
+                                         f"decimal integer)")
         return self.scalar(node)
 
     def positive_int(self, node: Node, field: str, what: str = "a positive integer", *, multiple: int = 1) -> int:
@@ -673,6 +685,9 @@ class _Parser:
                           f"'{name}'")
             e = self.entries(body_node, f)
             if "kind" not in e:
+                # Unknown fields first, as everywhere, so that a misspelt 'kind' is named as such
+                # (against the fields of either kind: which one was meant is not known yet).
+                self.fields(body_node, f, e, {k: v for fields in self.BODY_FIELDS.values() for k, v in fields.items()})
                 self.fail(body_node, f"{f}.kind", f"the required field 'kind' (the op kind, {_one_of(BODY_KINDS)})",
                           "no 'kind' field")
             kind = self.choice(e["kind"][1], f"{f}.kind", BODY_KINDS, unknown="unknown op kind ")

@@ -378,6 +378,14 @@ MISTAKES = [
     ("tied_not_bool", BASE + "lm_head:\n  tied: 'yes'\n", "lm_head.tied", 30, ["true or false", "'yes'"]),
     ("non_string_key", edit("  vocab: 4096\n", "  4096: vocab\n"), "model.4096", 4,
      ["a field name (a string)"]),
+    ("kind_typo", edit("    kind: mlp\n    intermediate: 4096", "    knd: mlp\n    intermediate: 4096"),
+     "bodies.mlp_wide.knd", 21, ["did you mean 'kind'?", "unknown field 'knd'"]),
+    ("octal_integer", edit("max_context: 256", "max_context: 0256"), "model.max_context", 7,
+     ["found 0256 (YAML 1.1 reads it as 174; write a decimal integer)"]),
+    ("base_60_integer", edit("max_context: 256", "max_context: 4:16"), "model.max_context", 7,
+     ["found 4:16 (YAML 1.1 reads it as 256; write a decimal integer)"]),
+    ("control_character", edit("  vocab: 4096\n", "  vocab: 4096 \x00\n"), "<document>", 4,
+     ["printable YAML text", "the character '\\x00'"]),
 ]
 
 
@@ -394,6 +402,11 @@ def test_each_mistake_gets_one_clear_error(text, field, line, fragments):
 def test_mistake_ids_are_distinct():
     ids = [m[0] for m in MISTAKES]
     assert len(ids) == len(set(ids)) >= 15
+
+
+def test_nesting_too_deep_is_one_error():
+    err = spec_error("model: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert (err.field, err.line) == ("<document>", None) and "nested at most" in str(err)
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n", "\n\n"])
