@@ -374,8 +374,10 @@ def cmd_bench(args) -> int:
     context = _context(load_spec(args.spec), args.context)
     # The results file is written after minutes of timing: refuse a bad --out before them
     # (without creating anything: the default file's name needs the GPU's).
-    _writable_file(Path(args.out) if args.out else Path("bench/results/step.json"),
-                   "--out" if args.out else "results file in")
+    if args.out:
+        _writable_file(Path(args.out), "--out")
+    else:
+        _check_writable(Path("bench/results"), "results folder", folder=True)
     run_bench(args.spec, args.batch_sizes, context=context, out=args.out,
               weights=args.weights, compare=not args.quick, progress=_progress, say=_say,
               power=not args.no_power)

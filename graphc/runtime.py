@@ -79,11 +79,11 @@ class DecodeStep:
     def padded_size(self, batch: int) -> int:
         """The smallest captured batch size that holds ``batch`` rows."""
         try:
-            rows = operator.index(batch) if not isinstance(batch, bool) else None
+            if isinstance(batch, bool):
+                raise TypeError
+            rows = operator.index(batch)        # numpy and 0-d tensor integers too
         except TypeError:
-            rows = None
-        if rows is None:
-            raise GraphcError(f"a batch size is an integer number of rows, found {batch!r}")
+            raise GraphcError(f"a batch size is an integer number of rows, found {batch!r}") from None
         if rows < 1:
             raise GraphcError(f"a batch has at least one row, found {rows}")
         batch = rows

@@ -63,10 +63,10 @@ FINGERPRINT_VERSION = "graphc-spec/1"
 
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
-# YAML 1.1 (PyYAML) only resolves floats that contain a dot, so a plain `1e-6` arrives as a
-# string. For float fields we accept such plain (unquoted) decimal literals as numbers.
 # YAML 1.1 integers that do not mean what they look like: octal (0256 is 174) and base 60 (4:16 is 256).
 _SURPRISING_INT_RE = re.compile(r"[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+)\Z")
+# YAML 1.1 (PyYAML) only resolves floats that contain a dot, so a plain `1e-6` arrives as a
+# string. For float fields we accept such plain (unquoted) decimal literals as numbers.
 _DECIMAL_RE = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?\Z")
 
 _TAG = "tag:yaml.org,2002:"
