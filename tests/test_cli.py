@@ -56,6 +56,10 @@ def test_build_writes_every_artifact_and_summary(tmp_path, capsys):
     assert "L03.mlp.down" in (tmp_path / "schedule.html").read_text()
     names = (tmp_path / "names.txt").read_text().splitlines()
     assert "L00.attn.qkv.weight\t[1536, 1024]" in names
+    import torch
+
+    if not torch.cuda.is_available():     # what was not done is said, not left out
+        assert "no GPU capture: no CUDA GPU on this machine" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -231,6 +235,13 @@ def test_a_file_system_refusal_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(graphc.viz, "write_viz", refuse)
     assert main(["viz", TINY, "--out", str(tmp_path / "g.svg")]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"graphc: error: {tmp_path / 'g.svg'}: Permission denied"
+
+
+def test_every_command_says_what_its_spec_argument_is(capsys):
+    for command in ("build", "inspect", "viz", "run", "compile", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "layer spec YAML file, e.g. layer_specs/tiny.yaml" in capsys.readouterr().out
 
 
 def test_version(capsys):
