@@ -99,12 +99,11 @@ def _writable_folder(path: Path, what: str) -> Path:
     return path
 
 
-def _writable_file(path: Path, what: str) -> Path:
+def _writable_file(path: Path, what: str) -> None:
     """Check, before any work and without creating anything, that ``path`` can be written as a
     file for ``what`` (an existing file overwritten, or a new one in folders that exist or can
     be created), or refuse naming why."""
     _check_writable(path, what, folder=False)
-    return path
 
 
 def _check_writable(path: Path, what: str, folder: bool) -> None:
@@ -165,9 +164,9 @@ def cmd_build(args) -> int:
     if reference:     # the CPU reference step must fit in host memory
         check_memory(schedule, sizes[0], torch.device("cpu"), args.weights)
     names_file = Path(args.write_weight_names) if args.write_weight_names else None
-    if names_file and not names_file.parent.is_dir():
-        raise GraphcError(f"--write-weight-names {names_file}: no folder {names_file.parent}")
-    if names_file:
+    if names_file:       # written where it says, into a folder that must exist
+        if not names_file.parent.is_dir():
+            raise GraphcError(f"--write-weight-names {names_file}: no folder {names_file.parent}")
         _writable_file(names_file, "--write-weight-names")
     out = _writable_folder(Path(args.out or Path("out") / Path(args.spec).stem), "--out")
     (out / "graph.json").write_text(json.dumps(graph_json(graph), indent=1))
@@ -408,7 +407,7 @@ def cmd_compile(args) -> int:
         arch = os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         if arch != "sm_90a":
             raise GraphcError(f"CUTE_DSL_ARCH={arch}: graphc's kernels are sm_90a code (H100/H200)")
-    from .compile_ahead import compile_variants, kernel_cache, schedule_variants
+    from .compile_ahead import compile_variants, kernel_cache, not_on_disk, schedule_variants
     from .schedule import build_schedule
 
     cache_dir = _writable_folder(default_cache_dir(), "kernel cache (GRAPHC_CACHE_DIR)")
@@ -429,7 +428,7 @@ def cmd_compile(args) -> int:
          f"for {target} -> {cache_dir}")
     t0 = time.perf_counter()
     compiled = compile_variants(variants, args.jobs, _progress)
-    missing = [v for v in variants if not kernel_cache(v[0]).path(v[1]).is_file()]
+    missing = not_on_disk(variants)
     if missing:
         module, key = missing[0]
         raise GraphcError(f"{len(missing)} of {_plural(len(variants), 'kernel variant')} compiled but not "

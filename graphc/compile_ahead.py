@@ -61,10 +61,14 @@ def kernel_cache(module: str):
     return importlib.import_module(module).compile_cache()
 
 
+def not_on_disk(variants: Iterable[Variant]) -> list[Variant]:
+    """The variants whose compiled objects the disk cache does not hold."""
+    return [(module, key) for module, key in variants if not kernel_cache(module).path(key).is_file()]
+
+
 def uncached(variants: Iterable[Variant]) -> list[Variant]:
     """The variants found neither in this process's compile caches nor on disk."""
-    return [(module, key) for module, key in variants
-            if key not in kernel_cache(module) and not kernel_cache(module).path(key).is_file()]
+    return [(module, key) for module, key in not_on_disk(variants) if key not in kernel_cache(module)]
 
 
 def default_jobs() -> int:

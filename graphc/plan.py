@@ -209,15 +209,16 @@ def check_fits(schedule: Schedule, max_batch: int, free_bytes: int, device_name:
         lo, hi = (mid, hi) if need(memory_layout(schedule, mid)) <= free_bytes else (lo, mid)
     fits = lo
     spec = schedule.spec
+    workspace = transient_bytes + DEVICE_HEADROOM_BYTES
     if fits:
         advice = f"Capture batch sizes up to {fits}, or lower model.max_context ({spec.model.max_context}) in {spec.path}"
-    elif weights and weights + transient_bytes + DEVICE_HEADROOM_BYTES > free_bytes:
+    elif weights and weights + workspace > free_bytes:
         # No KV cache however small makes room: only a device (or host) with more memory helps.
-        advice = (f"The weights alone ({weights / 1e9:.1f} GB, {(weights + transient_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.1f} "
-                  f"GB with the workspace) do not fit: this model needs a device with more memory.")
+        advice = (f"The weights alone ({weights / 1e9:.1f} GB, {(weights + workspace) / 1e9:.1f} GB with the "
+                  f"workspace) do not fit: this model needs a device with more memory.")
     else:
         advice = f"No batch size fits: lower model.max_context ({spec.model.max_context}) in {spec.path}"
     raise GraphcError(
         f"{spec.model.name} at batch sizes up to {max_batch} needs {need(layout) / 1e9:.1f} GB of "
-        f"{memory}: {layout.describe(weights)}, workspace {(transient_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.1f} GB; "
+        f"{memory}: {layout.describe(weights)}, workspace {workspace / 1e9:.1f} GB; "
         f"{device_name} has {free_bytes / 1e9:.1f} GB free. " + advice)

@@ -203,14 +203,14 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
         explicit = chosen.get(op.name) or chosen.get(op.kind)
         if explicit is not None:
             impl = op.implementations.get(explicit)
+            why = None
             if impl is not None and not impl.runs_on(capability):
-                raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} needs "
-                                  f"{_ARCH_WORDS[impl.arch]}; {gpu} is {cc}. Choose one of "
+                why = f"needs {_ARCH_WORDS[impl.arch]}; {gpu} is {cc}"
+            elif impl is not None and not impl.available():
+                why = "is not available here (its package is not installed)"
+            if why:
+                raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} {why}. Choose one of "
                                   f"{', '.join(runnable(op)) or 'none: no implementation runs there'}")
-            if impl is not None and not impl.available():
-                raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} is not available "
-                                  f"here (its package is not installed). Choose one of "
-                                  f"{', '.join(runnable(op)) or 'none: no implementation runs here'}")
             continue
         if op.kind in substituted:
             continue

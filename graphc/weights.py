@@ -94,20 +94,17 @@ def _checked_file(path, shapes, device):
         missing = sorted(set(shapes) - names)
         extra = sorted(names - set(shapes))
         if missing or extra:
+            problems = ([f"missing {_few(missing)}"] if missing else []) + \
+                       ([f"not in the spec {_few(extra)}"] if extra else [])
             # Names that match but with other shapes say the file is another model's.
-            other_shapes = [n for n in sorted(names & set(shapes))
-                            if list(f.get_slice(n).get_shape()) != list(shapes[n])]
-            hint = ""
-            if other_shapes:
-                n = other_shapes[0]
-                hint = (f"; {len(other_shapes)} of the names in both have other shapes (e.g. {n}: "
-                        f"{list(f.get_slice(n).get_shape())}, the spec needs {list(shapes[n])}), so the "
-                        f"file is probably for another model")
-            raise GraphcError(
-                f"{path}: weight names do not match the spec: "
-                + "; ".join(part for part in (f"missing {_few(missing)}" if missing else "",
-                                              f"not in the spec {_few(extra)}" if extra else "") if part)
-                + hint + " (graphc build SPEC --write-weight-names FILE lists them)")
+            found = {n: list(f.get_slice(n).get_shape()) for n in sorted(names & set(shapes))}
+            other = [n for n, shape in found.items() if shape != list(shapes[n])]
+            if other:
+                problems.append(f"{len(other)} of the names in both have other shapes (e.g. {other[0]}: "
+                                f"{found[other[0]]}, the spec needs {list(shapes[other[0]])}), so the file "
+                                f"is probably for another model")
+            raise GraphcError(f"{path}: weight names do not match the spec: {'; '.join(problems)} "
+                              f"(graphc build SPEC --write-weight-names FILE lists them)")
         for name, shape in shapes.items():
             header = f.get_slice(name)
             dtype, found = header.get_dtype(), list(header.get_shape())
