@@ -431,8 +431,10 @@ def cmd_compile(args) -> int:
     missing = not_on_disk(variants)
     if missing:
         module, key = missing[0]
+        cache = kernel_cache(module)
+        why = f": {cache.last_disk_error}" if cache.last_disk_error else ""
         raise GraphcError(f"{len(missing)} of {_plural(len(variants), 'kernel variant')} compiled but not "
-                          f"written to {cache_dir} (the first: {kernel_cache(module).path(key).name}); "
+                          f"written to {cache_dir} (the first: {cache.path(key).name}{why}); "
                           f"check its free space and permissions: a build would compile them again")
     _say(f"  compiled {len(compiled)}, {len(variants) - len(compiled)} already cached, in "
          f"{time.perf_counter() - t0:.1f} s; a GPU build at these batch sizes loads them")

@@ -237,7 +237,7 @@ def _serve() -> None:
             cache = kernel_cache(module)
             cache.get(key)
             if not cache.path(key).is_file():
-                raise RuntimeError(f"compiled, but could not write {cache.path(key)}")
+                raise RuntimeError(f"compiled, but not written: {cache.last_disk_error or cache.path(key)}")
             answers.write(f"ok {time.perf_counter() - t0:.1f}\n")
         except Exception as e:          # reported to the parent, which compiles it again in process
             answers.write(f"error {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n")

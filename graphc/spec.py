@@ -254,11 +254,13 @@ class Spec:
         """Everything that shapes the compiled step, as plain JSON-able data.
 
         Left out on purpose: the path, the model name and body names (labels only), unused
-        bodies, and ``block_size`` when the residual is plain (it is ignored there).
+        bodies, and ``block_size`` when the residual is plain (it is ignored there). A
+        ``block_size`` of at least the layer count is one block whatever its value, so it is
+        recorded as the layer count.
         """
         residual: dict[str, Any] = {"kind": self.residual.kind}
         if self.residual.kind == "attn_res":
-            residual["block_size"] = self.residual.block_size
+            residual["block_size"] = min(self.residual.block_size, len(self.layers))
         return {
             "format": FINGERPRINT_VERSION,
             "model": {

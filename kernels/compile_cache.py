@@ -21,6 +21,8 @@ need. The exported object skips both.
 Writes are atomic (temporary file, then ``os.replace``), so processes that compile the same
 variant at once never see a half-written object. Any failure to read or write the disk cache
 falls back to compiling in process: the disk cache is an optimisation, never a requirement.
+A failed write is still said (to whoever listens through ``reporting_compiles``) and kept in
+``last_disk_error``, so that ``graphc compile``, whose whole job is the disk, can name it.
 Set ``GRAPHC_KERNEL_CACHE=0`` to switch the disk level off, ``GRAPHC_CACHE_DIR`` to move it
 (default ``~/.cache/graphc/kernels``).
 """
@@ -118,6 +120,7 @@ class CompileCache:
         self._memory: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
         self.stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0, "disk_errors": 0}
+        self.last_disk_error: str | None = None    # "<path>: <exception>" of the latest failure
 
     # -- keys and paths -------------------------------------------------------------------------
     @property
@@ -180,8 +183,8 @@ class CompileCache:
 
             module = cute.runtime.load_module(str(path))
             return module[self._symbol(key)]
-        except Exception:
-            self.stats["disk_errors"] += 1
+        except Exception as e:          # unreadable or foreign object: compile it again
+            self._disk_error(path, e)
             return None
 
     def _store(self, key: tuple, fn: Any) -> None:
@@ -192,5 +195,11 @@ class CompileCache:
                 fn.export_to_c(tmp, "kernel", function_prefix=self._symbol(key))
                 staged = Path(tmp) / "kernel.o"
                 os.replace(staged, path)
-        except Exception:
-            self.stats["disk_errors"] += 1
+        except Exception as e:          # the kernel stays compiled in this process either way
+            self._disk_error(path, e)
+            _announce(f"could not write to the kernel cache: {self.last_disk_error} (the next process "
+                      "that needs this kernel compiles it again)")
+
+    def _disk_error(self, path: Path, error: Exception) -> None:
+        self.stats["disk_errors"] += 1
+        self.last_disk_error = f"{path}: {type(error).__name__}: {error}"

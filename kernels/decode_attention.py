@@ -74,7 +74,7 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stamp
               H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
               HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
               NP: tl.constexpr, PV: tl.constexpr, GC: tl.constexpr, COMBINE_SPLITS: tl.constexpr,
-              TIMELINE: tl.constexpr = 0):
+              TIMELINE: tl.constexpr = 0, NSTAMPS: tl.constexpr = len(STAMPS)):
     # Let a PDL-launched successor (the o_proj decode GEMM) start streaming its weights now: it
     # reads our output only after its own griddepcontrol.wait, which waits for this grid to
     # complete. Fires once every program has executed it, so the successor never takes an SM
@@ -84,7 +84,7 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stamp
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     if TIMELINE:
-        stamp = stamps + ((t * KV + kvh) * NSPLIT + s).to(tl.int64) * 5
+        stamp = stamps + ((t * KV + kvh) * NSPLIT + s).to(tl.int64) * NSTAMPS
         tl.store(stamp, globaltimer(s))
     L = tl.load(seq_lens + t)
     slot = tl.load(slots + t).to(tl.int64)
@@ -206,7 +206,7 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
     ``default_tiling(rows)``; ``pv`` is one of ``PV_MODES``; ``combine_splits`` (a power of
     two) is how many splits' partials the combining program loads at once (1: one at a time,
     as before session 19; the sum's grouping, not its result beyond an ulp, differs). Executes ``griddepcontrol.launch_dependents`` at entry, so a successor
-    launched with the PDL attribute overlaps this kernel. ``stamps`` (int64, 5 per program, for
+    launched with the PDL attribute overlaps this kernel. ``stamps`` (int64, ``len(STAMPS)`` per program, for
     bench/attention_triton_timeline.py): compile the timed variant and write ``STAMPS`` there."""
     if pv not in PV_MODES:
         raise ValueError(f"pv={pv!r} unsupported: one of {', '.join(PV_MODES)}")

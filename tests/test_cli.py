@@ -377,18 +377,30 @@ def test_compile_refuses_a_cache_it_cannot_fill_and_a_bad_job_count(tmp_path, mo
 
 
 def test_compile_fails_when_a_kernel_did_not_reach_the_disk(tmp_path, monkeypatch, capsys):
-    """A cache that takes nothing (a full disk, say: the store is faked to write nothing) is a
-    failure, not 'compiled 1': a build would compile the kernel again."""
+    """A cache that takes nothing (a full disk: the object's final rename is faked to fail as
+    one does) is a failure that names the OS's reason, not 'compiled 1': a build would compile
+    the kernel again."""
+    import errno
+
     import graphc.compile_ahead as ca
-    from graphc.kernels.compile_cache import CompileCache
+    import graphc.kernels.compile_cache as cc
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
     real = ca.schedule_variants
     monkeypatch.setattr(ca, "schedule_variants", lambda schedules, sms: [
         v for v in real(schedules, sms) if v[0].endswith("attn_res")][:1])
-    monkeypatch.setattr(CompileCache, "_store", lambda self, key, fn: None)
+
+    def disk_full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+
+    monkeypatch.setattr(cc.os, "replace", disk_full)
     assert main(["compile", TINY, "--batch-sizes", "1", "--jobs", "1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    *progress, err = capsys.readouterr().err.strip().splitlines()
+    reason = "OSError: [Errno 28] No space left on device"
     assert err.startswith(f"graphc: error: 1 of 1 kernel variant compiled but not written to {tmp_path} "
                           "(the first: attn_res-") and err.endswith("a build would compile them again")
+    assert reason in err
+    said = [line for line in progress if "could not write to the kernel cache" in line]   # as it happened
+    assert len(said) == 1 and f"cache: {tmp_path}" in said[0] and reason in said[0]
+    assert list(tmp_path.iterdir()) == []           # no half-written object left behind

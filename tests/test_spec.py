@@ -195,6 +195,15 @@ def test_fingerprint_changes_with_anything_that_shapes_the_step(old, new):
     assert parse_spec(edit(old, new)).fingerprint() != parse_spec(BASE).fingerprint()
 
 
+def test_fingerprint_takes_any_block_size_past_the_layer_count_as_one_block():
+    layers = len(parse_spec(BASE).layers)
+    whole = parse_spec(edit("block_size: 2", f"block_size: {layers}"))
+    assert whole.num_blocks() == 1
+    for past in (layers + 1, 2 * layers + 3):
+        assert parse_spec(edit("block_size: 2", f"block_size: {past}")).fingerprint() == whole.fingerprint()
+    assert parse_spec(edit("block_size: 2", f"block_size: {layers - 1}")).fingerprint() != whole.fingerprint()
+
+
 def test_fingerprint_sees_final_norm_tied_and_overrides():
     base = parse_spec(BASE).fingerprint()
     assert parse_spec(BASE + "final_norm: {eps: 1.0e-5}\n").fingerprint() != base
