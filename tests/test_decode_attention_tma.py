@@ -124,6 +124,7 @@ def _case(T: int, maxlen: int, seed: int, heads: int = H, kv_heads: int = KV):
     qkv = torch.randn(T, (heads + 2 * kv_heads) * HD, generator=gen, device="cuda").to(torch.bfloat16)
     kv = torch.randn(T + 1, 2, kv_heads, C, HD, generator=gen, device="cuda").to(torch.bfloat16)
     lens = torch.randint(0, maxlen + 1, (T,), generator=gen, device="cuda", dtype=torch.int32)
+    lens[0] = maxlen              # the longest row is always there: the case's split count holds
     slots = torch.randperm(T + 1, device="cuda")[:T].to(torch.int32)
     return qkv, kv, lens, slots
 

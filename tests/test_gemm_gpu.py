@@ -47,8 +47,25 @@ def _out(m: int, n: int, epilogue):
     return torch.full((m, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
 
 
+def _ulps_apart(a, b):
+    """Distance of two bf16 tensors in units in the last place (sign-aware bit order)."""
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
 def _check_close(out, ref, what=""):
+    """Every element within one bf16 ulp of bf16(fp32 reference) (the sums differ only in
+    order), except where cancellation leaves it near zero (within max|ref| / 1024); and the
+    relative error of the whole output below 1e-2. A wrong slice of the output (one k-block of
+    one tile, say) fails the first check even when the norm hides it."""
     assert not torch.isnan(out).any(), f"NaN in the output {what}"
+    ulps = _ulps_apart(out, ref.to(torch.bfloat16))
+    near_zero = (out.float() - ref).abs() <= ref.abs().max() / 1024
+    bad = ~((ulps <= 1) | near_zero)
+    assert not bad.any(), (f"{int(bad.sum())} elements more than one ulp from bf16(reference), "
+                           f"worst {int(ulps[bad].max())} ulps {what}")
     err = (out.float() - ref).norm() / ref.norm()
     assert err < 1e-2, f"relative error {err:.3e} {what}"
     return err

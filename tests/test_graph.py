@@ -17,7 +17,7 @@ def test_one_node_per_op_in_program_order(tiny):
     want = ["embed"] + [f"L{l:02d}.{n}" for l in range(4) for n in per_layer]
     assert names == want + ["final.attn_res", "lm_head"]
     assert nx.is_directed_acyclic_graph(tiny)
-    assert list(nx.topological_sort(tiny))  # program order is one of them:
+    # Program order is one of its topological orders:
     order = {n: tiny.nodes[n]["order"] for n in tiny}
     assert all(order[a] < order[b] for a, b in tiny.edges)
 

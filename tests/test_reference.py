@@ -8,7 +8,7 @@ from graphc.graph import build_graph, weight_shapes
 from graphc.plan import Plan
 from graphc.reference import reference_step
 from graphc.schedule import build_schedule
-from graphc.spec import load_spec
+from graphc.spec import load_spec, parse_spec
 from graphc.weights import Weights
 from oracle import EagerModel
 
@@ -40,6 +40,31 @@ def test_executor_matches_eager_model_over_four_steps(batch, residual):
     spec = load_spec(f"{SPECS}/tiny.yaml")
     if residual == "plain":
         spec = spec.with_residual("plain")
+    check_against_oracle(spec, batch)
+
+
+# tiny.yaml edited where its own values would hide a wiring error: blocks that do not divide
+# the layers, one layer per block (4 saved blocks), the lm_head tied to the embedding, and a
+# final-norm eps unlike rms_eps (equal in every shipped spec, so a swap could pass unseen).
+SPEC_EDITS = {
+    "block_size_3": ("block_size: 2", "block_size: 3"),
+    "block_size_1": ("block_size: 2", "block_size: 1"),
+    "tied_lm_head": ("tied: false", "tied: true"),
+    "final_norm_eps": ("final_norm:\n  eps: 1.0e-6", "final_norm:\n  eps: 3.0"),
+}
+
+
+@pytest.mark.parametrize("edit", SPEC_EDITS)
+def test_executor_matches_eager_model_on_other_specs(edit):
+    old, new = SPEC_EDITS[edit]
+    text = open(f"{SPECS}/tiny.yaml").read()
+    assert old in text
+    check_against_oracle(parse_spec(text.replace(old, new), f"{edit}.yaml"), batch=3)
+
+
+def check_against_oracle(spec, batch):
+    """Four decode steps of the reference executor against the eager model, rows starting at
+    different cached lengths in shuffled slots."""
     plan, weights = build(spec, batch, seed=batch)
     oracle = EagerModel(spec, weights.tensors)
     gen = torch.Generator().manual_seed(batch)

@@ -86,6 +86,23 @@ def test_refuses_a_chain_of_early_triggers_hiding_an_incomplete_writer(tiny):
     assert verify(unsafe.with_kernel("L00.mlp.down", traits=late, edge="pdl")) == []
 
 
+def test_a_late_trigger_proves_complete_only_what_ran_before_it(tiny):
+    """A kernel that triggers after its own wait proves its predecessor finished, not itself:
+    its successor may still not read its output before waiting."""
+    late = PdlTraits(True, "late", (), True)
+    s = build_schedule(tiny, GEMM).with_kernel("L00.mlp.down", traits=late, edge="pdl")
+    i = s.kernel("L01.attn_res.attn").index
+    assert s.kernels[i - 1].node == "L00.mlp.down"
+    upto, because = known_complete(s.kernels, i)
+    assert s.kernels[upto].node == "L00.mlp.gate_up"
+    assert because == "L00.mlp.down triggers its dependents only after its own wait"
+    reads_delta = PdlTraits(True, "early", ("blocks", "delta"), True)
+    [refusal] = verify(s.with_kernel("L01.attn_res.attn", traits=reads_delta))
+    assert refusal.node == "L01.attn_res.attn"
+    assert "reads L00.mlp.down.out before its wait" in refusal.message
+    assert "L00.mlp.down" in refusal.message and "may still be running" in refusal.message
+
+
 def test_prefix_in_the_prologue_is_safe_behind_library_kernels(tiny):
     s = build_schedule(tiny)
     reads_prefix = PdlTraits(True, "early", ("blocks", "prefix"), True)

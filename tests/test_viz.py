@@ -280,6 +280,25 @@ def test_html_measured_durations(tiny, starts):
     assert len(widths) == 1
 
 
+def test_html_draws_measured_starts_and_overlap(tiny_cute):
+    """With measured starts, each bar sits where its kernel started, and a phased kernel that
+    started before its predecessor ended (PDL overlap) is split at that measured end."""
+    import html as _html
+
+    rows, end = [], 0.0
+    for i, k in enumerate(tiny_cute.kernels):
+        start = end - 1.0 if (k.phases and i) else end + 1.0     # overlap by 1 us, or a 1 us gap
+        rows.append({"node": k.node, "duration_us": 10.0, "start_us": start})
+        end = start + 10.0
+    plain = _html.unescape(viz.schedule_html(tiny_cute, {"gpu": "NVIDIA H200", "kernels": rows}))
+    for row in rows:
+        start = row["start_us"]
+        assert f"measured: 10.00 \u00b5s, {start:,.2f} \u2192 {start + 10:,.2f} \u00b5s" in plain, row["node"]
+    overlapped = [k for k in tiny_cute.kernels[1:] if k.phases]
+    assert overlapped
+    assert plain.count("(split at the predecessor's measured end)") >= len(overlapped)
+
+
 def test_html_profile_errors(tiny):
     profile = _profile(tiny, starts=False)
     profile["kernels"] = profile["kernels"][1:]
