@@ -32,66 +32,39 @@ def time_replays(fn: Callable[[], None], warmup: int = 5, replays: int = 50) -> 
     return statistics.median(times)
 
 
-def _bytes_per_s(call, nbytes_per_call: int, device, calls: int, rounds: int, warmup_s: float) -> float:
-    """The median over ``rounds`` event-timed runs of ``calls`` back-to-back ``call()``s, each
-    moving ``nbytes_per_call``, after ``warmup_s`` of them: an idle GPU measured cold copies at
-    5% of its bandwidth while its clocks came up."""
+def copy_bytes_per_s(device="cuda", nbytes: int = 256 << 20, copies: int = 10, rounds: int = 7,
+                     warmup_s: float = 0.3) -> float:
+    """The GPU's device-to-device copy bandwidth, bytes read + written per second: the median
+    of ``rounds`` event-timed runs of ``copies`` back-to-back copies of ``nbytes`` (far past
+    the 50 MB L2), after ``warmup_s`` of copies: an idle GPU measured cold copies at 5% of
+    its bandwidth while its clocks came up."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_s:
-        for _ in range(calls):
-            call()
+        for _ in range(copies):
+            dst.copy_(src)
         torch.cuda.synchronize(device)
     rates = []
     for _ in range(rounds):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        for _ in range(calls):
-            call()
+        for _ in range(copies):
+            dst.copy_(src)
         end.record()
         end.synchronize()
-        rates.append(nbytes_per_call * calls / (begin.elapsed_time(end) / 1e3))
+        rates.append(2 * nbytes * copies / (begin.elapsed_time(end) / 1e3))
+    del src, dst
     return statistics.median(rates)
 
 
-def copy_bytes_per_s(device="cuda", nbytes: int = 256 << 20, copies: int = 10, rounds: int = 7,
-                     warmup_s: float = 0.3) -> float:
-    """The GPU's device-to-device copy bandwidth, bytes read + written per second, over
-    ``nbytes`` (far past the 50 MB L2)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    rate = _bytes_per_s(lambda: dst.copy_(src), 2 * nbytes, device, copies, rounds, warmup_s)
-    del src, dst
-    return rate
-
-
-def read_bytes_per_s(device="cuda", nbytes: int = 512 << 20, calls: int = 10, rounds: int = 7,
-                     warmup_s: float = 0.3) -> float:
-    """How fast this board streams a matrix it only reads: cuBLAS's matrix-vector product
-    (``torch.mm`` of one row) over an ``nbytes`` bf16 matrix, bytes of the matrix per second.
-    A decode step is almost all such reads (its weights), and HBM reads faster than it copies
-    (a copy turns the bus around between reads and writes), so this is the board's own floor
-    rate; ``HBM_BYTES_PER_S`` came from copies."""
-    k = 8192
-    w = torch.empty(nbytes // (2 * k), k, dtype=torch.bfloat16, device=device).normal_()
-    x = torch.randn(1, k, dtype=torch.bfloat16, device=device)
-    y = torch.empty(1, w.shape[0], dtype=torch.bfloat16, device=device)
-    rate = _bytes_per_s(lambda: torch.mm(x, w.t(), out=y), w.numel() * 2, device, calls, rounds, warmup_s)
-    del w, x, y
-    return rate
-
-
 def device_floor_bandwidth(device="cuda") -> dict:
-    """The bandwidth the floors use on this GPU and where it comes from, with the copy and read
-    rates this board measures now (boards differ by a few percent)."""
+    """The bandwidth the floors use on this GPU and where it comes from, with the copy
+    bandwidth this board measures now (boards differ by a few percent)."""
     name = torch.cuda.get_device_name(device)
     measured = copy_bytes_per_s(device)
     bytes_per_s, source = floor_bandwidth(name, measured)
-    try:
-        read = read_bytes_per_s(device)
-    except torch.cuda.OutOfMemoryError:     # a build that fills the GPU leaves no 512 MiB for it
-        read = None
-    return {"hbm_bytes_per_s": bytes_per_s, "source": source, "copy_bytes_per_s": measured,
-            "read_bytes_per_s": read}
+    return {"hbm_bytes_per_s": bytes_per_s, "source": source, "copy_bytes_per_s": measured}
 
 
 def _inputs(step, batch: int, context: int):
@@ -217,11 +190,6 @@ def format_bench_table(result: dict) -> str:
         lines.append(f"floor: bytes / {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({bw['source']}); this board "
                      f"copies at {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     lines.append(format_step_table(result["rows"]))
-    read = result.get("floor_bandwidth", {}).get("read_bytes_per_s")
-    if read:        # the same bytes at the rate this board reads a matrix (cuBLAS's matrix-vector)
-        scale = read / result["floor_bandwidth"]["hbm_bytes_per_s"]
-        lines.append(f"against this board's read rate ({read / 1e12:.2f} TB/s, a cuBLAS matrix-vector product): "
-                     + ", ".join(f"{r['ratio'] * scale:.3f}x at batch {r['batch']}" for r in result["rows"]))
     if "torch_eager_us" in result["rows"][0]:
         lines.append(f"{'batch':>6} {'graphc us':>10} {'plain us':>10} {'AttnRes ovh':>12} "
                      f"{'AttnRes share':>14} {'ref graph us':>13} {'eager us':>10} {'vs ref graph':>13}")
