@@ -5,7 +5,8 @@
 Each link is the decode step's pattern: the AttnRes kernel (hidden 7168, nb = 4 saved blocks,
 has_delta) reads the previous GEMM's output as its delta and writes the next GEMM's input; the
 GEMM is a 7168 x 7168 projection (102.8 MB of weights, cycling over enough copies that no call
-finds its weights in L2). Per batch size M, all in CUDA graphs of 24 links:
+finds its weights in L2). Per batch size M, all in CUDA graphs of 24 links, captured first
+and timed in ``--rounds`` round-robin passes (median):
 
 * ``gemm``: the GEMMs alone (the same 24 calls, PDL edges between them);
 * ``pdl``: the chain with PDL edges everywhere (AttnRes's pre-phase runs under the GEMM's
@@ -27,6 +28,7 @@ import datetime as _dt
 import json
 import math
 import os
+import statistics
 import sys
 from types import SimpleNamespace
 
@@ -34,12 +36,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from graphc.bench import time_replays  # noqa: E402
 from graphc.kernels import gemm  # noqa: E402
 from graphc.kernels.attn_res import attn_res  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemm import parse_tunings  # noqa: E402  (bench/gemm.py)
+from gemm import parse_tunings, time_interleaved  # noqa: E402  (bench/gemm.py)
 
 D, NB, LINKS, EPS = 7168, 4, 24, 1e-6
 DEFAULT_TUNINGS = "l2_prefetch=8;l2_prefetch=16"
@@ -59,11 +60,6 @@ def capture_graph(fn):
     return graph
 
 
-def time_graph(fn, replays: int) -> float:
-    """Median seconds per replay of a CUDA graph of fn (warmed up outside capture)."""
-    return time_replays(capture_graph(fn).replay, 3, replays)
-
-
 def chain_inputs(m: int) -> SimpleNamespace:
     """The chain's tensors at M rows: enough weight copies (> 4x L2) that no link finds its
     weights in L2, link i's AttnRes reading ys[i] and writing xs[i], its GEMM xs[i] -> ys[i+1]."""
@@ -75,7 +71,10 @@ def chain_inputs(m: int) -> SimpleNamespace:
         copies=copies,
         ws=[(torch.randn(D, D, generator=g, device="cuda") / D**0.5).to(bf) for _ in range(copies)],
         ys=[torch.randn(m, D, generator=g, device="cuda").to(bf) for _ in range(LINKS + 1)],
-        xs=[torch.empty(m, D, device="cuda", dtype=bf) for _ in range(LINKS)],
+        # Written by each link's AttnRes; random too, so that the GEMMs-alone chain (no AttnRes)
+        # multiplies real values, as the chains with AttnRes do (a power-capped board is
+        # sensitive to what the tensor cores chew on).
+        xs=[torch.randn(m, D, generator=g, device="cuda").to(bf) for _ in range(LINKS)],
         prefix=(4 * torch.randn(m, D, generator=g, device="cuda")).to(bf),
         blocks=(2 * torch.randn(m, NB, D, generator=g, device="cuda")).to(bf),
         key_norm=(1 + 0.2 * torch.randn(D, generator=g, device="cuda")).to(bf),
@@ -84,7 +83,10 @@ def chain_inputs(m: int) -> SimpleNamespace:
     )
 
 
-def bench(m: int, replays: int, tunings: list[tuple[str, dict]]) -> dict:
+def bench(m: int, replays: int, tunings: list[tuple[str, dict]], rounds: int = 3) -> dict:
+    """Every chain of one M captured first, then timed in ``rounds`` round-robin passes
+    (bench/gemm.py's ``time_interleaved``: 50 ms of warm-up replays before each pass); each
+    figure is the median over the passes, so no configuration gains from its place in the row."""
     t = chain_inputs(m)
 
     def res(i, stream, use_pdl):
@@ -104,19 +106,24 @@ def bench(m: int, replays: int, tunings: list[tuple[str, dict]]) -> dict:
                     gemm.linear(t.xs[i], w, t.ys[i + 1], stream=stream, use_pdl=use_pdl, **tuning)
         return run
 
-    row = {"m": m, "links": LINKS, "weight_copies": t.copies}
-    for name, fn in (("gemm", chain(True, with_res=False)), ("pdl", chain(True)),
-                     ("full", chain(False)), ("cublas_gemm", chain(False, with_res=False, cublas=True)),
-                     ("cublas", chain(True, cublas=True))):
-        row[name + "_s"] = time_graph(fn, replays) / LINKS
+    chains = {"gemm": chain(True, with_res=False), "pdl": chain(True), "full": chain(False),
+              "cublas_gemm": chain(False, with_res=False, cublas=True), "cublas": chain(True, cublas=True)}
+    # The same with other GEMM knobs (by default: what the L2 prefetch before the wait buys).
+    for label, tuning in tunings:
+        chains[f"{label}/gemm"] = chain(True, with_res=False, **tuning)
+        chains[f"{label}/pdl"] = chain(True, **tuning)
+    passes = time_interleaved({name: capture_graph(fn) for name, fn in chains.items()}, replays, rounds)
+    per_link = {name: statistics.median(p) / LINKS for name, p in passes.items()}
+    row = {"m": m, "links": LINKS, "weight_copies": t.copies, "rounds": rounds,
+           "rounds_s": {name: [x / LINKS for x in p] for name, p in passes.items()}}
+    for name in ("gemm", "pdl", "full", "cublas_gemm", "cublas"):
+        row[name + "_s"] = per_link[name]
     for name in ("pdl", "full"):
         row[name + "_added_s"] = row[name + "_s"] - row["gemm_s"]
     row["cublas_added_s"] = row["cublas_s"] - row["cublas_gemm_s"]
-    # The same with other GEMM knobs (by default: what the L2 prefetch before the wait buys).
     row["tunings"] = {}
-    for label, tuning in tunings:
-        alone = time_graph(chain(True, with_res=False, **tuning), replays) / LINKS
-        linked = time_graph(chain(True, **tuning), replays) / LINKS
+    for label, _ in tunings:
+        alone, linked = per_link[f"{label}/gemm"], per_link[f"{label}/pdl"]
         row["tunings"][label] = {"gemm_s": alone, "pdl_s": linked, "added_s": linked - alone}
     return row
 
@@ -125,6 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,8,64")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin timing passes per M (median)")
     ap.add_argument("--tunings", type=parse_tunings, default=parse_tunings(DEFAULT_TUNINGS),
                     help=f"GEMM knob alternatives, bench/gemm.py syntax (default {DEFAULT_TUNINGS!r})")
     ap.add_argument("--out")
@@ -136,7 +144,7 @@ def main() -> None:
     print(hdr)
     rows = []
     for m in (int(v) for v in args.m.split(",")):
-        r = bench(m, args.replays, args.tunings)
+        r = bench(m, args.replays, args.tunings, args.rounds)
         rows.append(r)
         print(f"{m:>4} {r['gemm_s'] * 1e6:8.2f} {r['pdl_s'] * 1e6:8.2f} {r['pdl_added_s'] * 1e6:7.2f} "
               f"{r['full_s'] * 1e6:8.2f} {r['full_added_s'] * 1e6:7.2f} {r['cublas_gemm_s'] * 1e6:9.2f} "

@@ -11,8 +11,9 @@ Columns: ``pdl`` is our kernel as the decode step runs it (each call launched wi
 attribute, so its weight prologue overlaps the previous call's tail); ``nopdl`` the same
 without the attribute (as after a predecessor that never lets it in early: cuBLAS, or a kernel
 holding every SM to its end); ``cublas`` is ``torch.mm`` in the same kind of graph (for
-silu_mul the GEMM alone; ``cublas+act`` adds the separate silu(gate) * up kernels the unfused
-path needs). Both ratios to cuBLAS are printed: PDL chaining hides 2-3 µs per call at 32-64
+silu_mul the GEMM alone; ``cublas+act`` adds the one Triton silu(gate) * up kernel that graphc's
+unfused cuBLAS path runs; before session 21 it was torch's silu and mul, two kernels and a
+copy of the strided gate). Both ratios to cuBLAS are printed: PDL chaining hides 2-3 µs per call at 32-64
 rows (bench/gemm_notes.md §14).
 The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the H200's
 4.3 TB/s (graphc/floor.py; this board's device-to-device copy, graphc/bench.py, is reported
@@ -194,14 +195,17 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         return run
 
     def cublas(with_act):
+        # With the activation: what graphc's cuBLAS path of the op runs (graphc/ops/linear.py),
+        # the projection then one Triton silu·mul kernel.
+        from graphc.kernels.silu_mul import silu_mul
+
         def run():
             for i in range(chain):
                 j = i % copies
                 if epilogue == "silu_mul":
                     torch.mm(xs[j], ws[j].t(), out=tmps[j])
                     if with_act:
-                        torch.mul(torch.nn.functional.silu(tmps[j][:, : n // 2]), tmps[j][:, n // 2:],
-                                  out=outs[j])
+                        silu_mul(tmps[j], outs[j])
                 else:
                     torch.mm(xs[j], ws[j].t(), out=outs[j])
         return run
