@@ -264,12 +264,13 @@ def test_bench_table_formats_recorded_numbers():
     assert line[1].split() == ["8", "2700.0", "2650.0", "1.9%", "3.1%", "4650.0", "6100.0"]
     assert "fp32 ref: the reference executor, a correctness oracle" in text
     assert "cuBLAS+torch" not in text                 # recorded before that baseline existed
-    row["library_step_us"] = 2916.0
+    row["cublas_step_us"], row["library_step_us"] = 2781.0, 4590.0
     text = format_bench_table({"spec": "x.yaml", "gpu": "NVIDIA H200", "date": "2026-12-01",
                                "context": 1024, "rows": [row]})
     line = [l for l in text.splitlines() if l.split() and l.split()[0] == "8"]
-    assert line[1].split() == ["8", "2700.0", "2650.0", "1.9%", "3.1%", "2916.0", "1.08x", "4650.0", "6100.0"]
-    assert "cuBLAS+torch: the same step in one CUDA graph with every linear layer on cuBLAS" in text
+    assert line[1].split() == ["8", "2700.0", "2650.0", "1.9%", "3.1%", "2781.0", "1.03x", "4590.0", "1.70x",
+                               "4650.0", "6100.0"]
+    assert "cuBLAS: the same step in one CUDA graph, no PDL, every linear layer on cuBLAS" in text
 
 
 def test_padding_waste_is_reported_per_size():
@@ -310,17 +311,20 @@ def test_a_build_on_a_gpu_other_than_hopper_says_what_it_runs_instead(monkeypatc
                       progress=None)
 
 
-def test_bench_library_baseline_is_cublas_and_torch_ops_without_pdl():
-    """graphc bench's hand-written baseline schedules every linear layer on cuBLAS and AttnRes
-    as PyTorch ops, with no PDL edge, and keeps graphc's attention."""
-    from graphc.bench import LIBRARY_IMPLEMENTATIONS
+def test_bench_library_baselines_are_cublas_then_torch_ops_without_pdl():
+    """graphc bench's hand-written baselines schedule every linear layer on cuBLAS (then also
+    AttnRes as PyTorch ops), with no PDL edge, and keep graphc's attention."""
+    from graphc.bench import LIBRARY_BASELINES
     from graphc.graph import build_graph
     from graphc.schedule import build_schedule
     from graphc.spec import load_spec
 
-    schedule = build_schedule(build_graph(load_spec("layer_specs/kimi_k3_dense_8l.yaml")),
-                              LIBRARY_IMPLEMENTATIONS, use_pdl=False, batch=8)
-    assert schedule.pdl_edges() == []
-    kinds = schedule.implementation_summary()
-    assert kinds["linear"] == "cublas" and kinds["attn_res"] == "torch"
-    assert kinds["decode_attention"] in ("tma", "triton")
+    graph = build_graph(load_spec("layer_specs/kimi_k3_dense_8l.yaml"))
+    attn_res = {}
+    for key, implementations in LIBRARY_BASELINES.items():
+        schedule = build_schedule(graph, implementations, use_pdl=False, batch=8)
+        assert schedule.pdl_edges() == []
+        kinds = schedule.implementation_summary()
+        assert kinds["linear"] == "cublas" and kinds["decode_attention"] in ("tma", "triton")
+        attn_res[key] = kinds["attn_res"]
+    assert attn_res == {"cublas_step_us": "cute", "library_step_us": "torch"}
