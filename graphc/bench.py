@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .errors import GraphcError
 from .floor import floor_bandwidth, step_floor_s
 from .reference import run_kernels
 
@@ -106,6 +107,20 @@ def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = Tr
     return rows
 
 
+AB_ROUNDS = 5          # round-robin passes of an A/B timed in turns (interleaved_medians)
+
+
+def interleaved_medians(replays: dict[str, Callable[[], None]], rounds: int = AB_ROUNDS) -> dict[str, float]:
+    """Median seconds of each of ``replays`` (name -> one graph replay) over ``rounds``
+    round-robin passes of ``time_replays``, so that a board whose clock drifts meanwhile
+    slows every one of them alike."""
+    passes: dict[str, list[float]] = {name: [] for name in replays}
+    for _ in range(rounds):
+        for name, replay in replays.items():
+            passes[name].append(time_replays(replay))
+    return {name: statistics.median(p) for name, p in passes.items()}
+
+
 # graphc bench's hand-written baselines (results key -> implementations; no PDL in either):
 # cuBLAS for every linear layer, then also PyTorch ops for AttnRes.
 LIBRARY_BASELINES = {"cublas_step_us": {"linear": "cublas"},
@@ -143,7 +158,6 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
     spec = load_spec(spec_path)
     context = min(context, spec.model.max_context)
     if not torch.cuda.is_available():
-        from .errors import GraphcError
         raise GraphcError("graphc bench needs a CUDA GPU")
     step = build(spec, batch_sizes, weights=weights, device="cuda", progress=progress)
     bandwidth = device_floor_bandwidth(step.device)
@@ -171,15 +185,36 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
             r["reference_graph_us"] = time_replays(g.replay, 3, 20) * 1e6
             del g
             progress(f"baselines at batch {b} done")
+        # What AttnRes costs over a plain residual: the same model with a plain pre-norm residual,
+        # built beside this one and timed in turns with it (a board drifts by a percent or more
+        # over minutes, as much as the difference); one after the other where both do not fit.
+        plain_spec = spec.with_residual("plain")
+        try:
+            plain = build(plain_spec, batch_sizes, device="cuda", progress=progress)
+        except (GraphcError, torch.cuda.OutOfMemoryError) as e:
+            progress(f"the plain-residual model does not fit beside this one ({e}); timing it afterwards")
+            plain = None
+        if plain is not None:
+            for r in rows:
+                b = r["batch"]
+                step(*_inputs(step, b, context))
+                plain(*_inputs(plain, b, context))
+                t = interleaved_medians({"attn_res": step.graphs[b].replay, "plain": plain.graphs[b].replay})
+                r["attn_res_ab"] = {"attn_res_us": t["attn_res"] * 1e6, "plain_us": t["plain"] * 1e6,
+                                    "rounds": AB_ROUNDS}
+                r["plain_step_us"] = t["plain"] * 1e6
+                r["attn_res_overhead"] = (t["attn_res"] - t["plain"]) / t["attn_res"]
+            del plain
         del step
         torch.cuda.empty_cache()
-        plain = build(spec.with_residual("plain"), batch_sizes, device="cuda", progress=progress)
-        for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=plain,
-                                         hbm_bytes_per_s=bandwidth["hbm_bytes_per_s"])):
-            r["plain_step_us"] = p["step_us"]
-            r["attn_res_overhead"] = (r["step_us"] - p["step_us"]) / r["step_us"]
-        del plain
-        torch.cuda.empty_cache()
+        if "plain_step_us" not in rows[0]:
+            plain = build(plain_spec, batch_sizes, device="cuda", progress=progress)
+            for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=plain,
+                                             hbm_bytes_per_s=bandwidth["hbm_bytes_per_s"])):
+                r["plain_step_us"] = p["step_us"]
+                r["attn_res_overhead"] = (r["step_us"] - p["step_us"]) / r["step_us"]
+            del plain
+            torch.cuda.empty_cache()
         # Hand-written alternatives, each in one CUDA graph with no PDL edge (LIBRARY_BASELINES):
         # every linear layer on cuBLAS (bf16 torch.mm, silu·mul as one Triton kernel), then also
         # AttnRes as PyTorch ops. Attention stays graphc's kernel: the torch reference attention
@@ -220,6 +255,9 @@ def format_bench_table(result: dict) -> str:
                          f"{r['attn_res_overhead'] * 100:11.1f}% {r['attn_res_share'] * 100:13.1f}%"
                          + "".join(f" {r[key]:16.1f} {r[key] / r['step_us']:5.2f}x" for key, _ in shown)
                          + f" {r['reference_graph_us']:18.1f} {r['torch_eager_us']:18.1f}")
+        if "attn_res_ab" in result["rows"][0]:
+            lines.append(f"plain us, AttnRes ovh: the same model with a plain residual, timed in turns with "
+                         f"this one ({result['rows'][0]['attn_res_ab']['rounds']} rounds, medians)")
         if shown:
             lines.append("cuBLAS: the same step in one CUDA graph, no PDL, every linear layer on cuBLAS; "
                          "cuBLAS+torch: also AttnRes as PyTorch ops (attention: graphc's kernel in both)")

@@ -264,6 +264,7 @@ def test_bench_table_formats_recorded_numbers():
     assert line[1].split() == ["8", "2700.0", "2650.0", "1.9%", "3.1%", "4650.0", "6100.0"]
     assert "fp32 ref: the reference executor, a correctness oracle" in text
     assert "cuBLAS+torch" not in text                 # recorded before that baseline existed
+    row["attn_res_ab"] = {"attn_res_us": 2702.0, "plain_us": 2650.0, "rounds": 5}
     row["cublas_step_us"], row["library_step_us"] = 2781.0, 4590.0
     text = format_bench_table({"spec": "x.yaml", "gpu": "NVIDIA H200", "date": "2026-12-01",
                                "context": 1024, "rows": [row]})
@@ -271,6 +272,21 @@ def test_bench_table_formats_recorded_numbers():
     assert line[1].split() == ["8", "2700.0", "2650.0", "1.9%", "3.1%", "2781.0", "1.03x", "4590.0", "1.70x",
                                "4650.0", "6100.0"]
     assert "cuBLAS: the same step in one CUDA graph, no PDL, every linear layer on cuBLAS" in text
+    assert "plain us, AttnRes ovh: the same model with a plain residual, timed in turns with this one (5 rounds" in text
+
+
+def test_ab_timing_alternates_its_candidates_and_takes_medians(monkeypatch):
+    import graphc.bench as gb
+
+    order, times = [], iter([3.0, 1.0, 2.0, 5.0, 1.5, 4.0])     # (a, b) per round
+
+    def timed(replay):
+        order.append(replay())
+        return next(times)
+
+    monkeypatch.setattr(gb, "time_replays", timed)
+    assert gb.interleaved_medians({"a": lambda: "a", "b": lambda: "b"}, rounds=3) == {"a": 2.0, "b": 4.0}
+    assert order == ["a", "b"] * 3
 
 
 def test_padding_waste_is_reported_per_size():
