@@ -247,17 +247,21 @@ def format_bench_table(result: dict) -> str:
         # Baselines a result has (files from before session 21 have neither).
         shown = [(key, label) for key, label in (("cublas_step_us", "cuBLAS us"), ("library_step_us", "cuBLAS+torch us"))
                  if key in result["rows"][0]]
-        lines.append(f"{'batch':>6} {'graphc us':>10} {'plain us':>10} {'AttnRes ovh':>12} "
-                     f"{'AttnRes share':>14}" + "".join(f" {label:>16} {'vs it':>6}" for _, label in shown)
+        ab = "attn_res_ab" in result["rows"][0]     # the plain model timed in turns with this one
+        lines.append(f"{'batch':>6} {'graphc us':>10}" + (f" {'A/B: graphc us':>15}" if ab else "")
+                     + f" {'plain us':>10} {'AttnRes ovh':>12} {'AttnRes share':>14}"
+                     + "".join(f" {label:>16} {'vs it':>6}" for _, label in shown)
                      + f" {'fp32 ref graph us':>18} {'fp32 ref eager us':>18}")
         for r in result["rows"]:
-            lines.append(f"{r['batch']:6d} {r['step_us']:10.1f} {r['plain_step_us']:10.1f} "
+            lines.append(f"{r['batch']:6d} {r['step_us']:10.1f}"
+                         + (f" {r['attn_res_ab']['attn_res_us']:15.1f}" if ab else "")
+                         + f" {r['plain_step_us']:10.1f} "
                          f"{r['attn_res_overhead'] * 100:11.1f}% {r['attn_res_share'] * 100:13.1f}%"
                          + "".join(f" {r[key]:16.1f} {r[key] / r['step_us']:5.2f}x" for key, _ in shown)
                          + f" {r['reference_graph_us']:18.1f} {r['torch_eager_us']:18.1f}")
-        if "attn_res_ab" in result["rows"][0]:
-            lines.append(f"plain us, AttnRes ovh: the same model with a plain residual, timed in turns with "
-                         f"this one ({result['rows'][0]['attn_res_ab']['rounds']} rounds, medians)")
+        if ab:
+            lines.append(f"A/B: this step and the same model with a plain residual (plain us), timed in turns "
+                         f"({result['rows'][0]['attn_res_ab']['rounds']} rounds, medians); AttnRes ovh from that pair")
         if shown:
             lines.append("cuBLAS: the same step in one CUDA graph, no PDL, every linear layer on cuBLAS; "
                          "cuBLAS+torch: also AttnRes as PyTorch ops (attention: graphc's kernel in both)")

@@ -269,10 +269,11 @@ def test_bench_table_formats_recorded_numbers():
     text = format_bench_table({"spec": "x.yaml", "gpu": "NVIDIA H200", "date": "2026-12-01",
                                "context": 1024, "rows": [row]})
     line = [l for l in text.splitlines() if l.split() and l.split()[0] == "8"]
-    assert line[1].split() == ["8", "2700.0", "2650.0", "1.9%", "3.1%", "2781.0", "1.03x", "4590.0", "1.70x",
-                               "4650.0", "6100.0"]
+    assert line[1].split() == ["8", "2700.0", "2702.0", "2650.0", "1.9%", "3.1%", "2781.0", "1.03x", "4590.0",
+                               "1.70x", "4650.0", "6100.0"]
     assert "cuBLAS: the same step in one CUDA graph, no PDL, every linear layer on cuBLAS" in text
-    assert "plain us, AttnRes ovh: the same model with a plain residual, timed in turns with this one (5 rounds" in text
+    assert ("A/B: this step and the same model with a plain residual (plain us), timed in turns (5 rounds, "
+            "medians); AttnRes ovh from that pair") in text
 
 
 def test_ab_timing_alternates_its_candidates_and_takes_medians(monkeypatch):
