@@ -13,8 +13,8 @@ shipped defaults ('shipped'). ``attention.KNOB`` sets a tiling argument of the T
 (kernels/decode_attention.py: chunk, block_n, num_warps, num_stages, combine_splits; the one-row
 default) for
 every attention call it makes. All variants share one set of weights and are captured once
-each; every round replays each variant in turn (``graphc.bench.time_replays``: the median
-of 100 replays), so a board that slows down or caps its power hits every variant alike.
+each; every round replays each variant in turn (``graphc.bench.interleaved_rounds``: the
+median of 100 replays per variant and round), so a board that slows down or caps its power hits every variant alike.
 
 Prints per batch size each variant's median step time of every round, its best round against
 the HBM floor, and the largest difference of its logits from the shipped step's (0.0 where
@@ -94,7 +94,7 @@ def step_knobs(knobs: dict, roles: set | None, role_of_weight: dict):
 def main(argv=None) -> int:
     import torch
 
-    from graphc.bench import _inputs, device_floor_bandwidth, time_replays
+    from graphc.bench import _inputs, device_floor_bandwidth, interleaved_rounds
     from graphc.floor import step_floor_s
     from graphc.graph import build_graph, weight_shapes
     from graphc.runtime import build
@@ -129,10 +129,9 @@ def main(argv=None) -> int:
     for b in batch_sizes:
         tokens, seq_lens = _inputs(steps[SHIPPED], b, args.context)
         logits = {name: step(tokens, seq_lens).float().clone() for name, step in steps.items()}
-        times = {name: [] for name in steps}
-        for _ in range(args.rounds):
-            for name, step in steps.items():
-                times[name].append(time_replays(step.graphs[b].replay, replays=100) * 1e6)
+        passes = interleaved_rounds({name: step.graphs[b].replay for name, step in steps.items()},
+                                    args.rounds, per_pass=100)
+        times = {name: [t * 1e6 for t in p] for name, p in passes.items()}
         floor_us = step_floor_s(steps[SHIPPED].schedule, b, args.context, floor_bw) * 1e6
         print(f"batch {b} (floor {floor_us:.1f} us):")
         for name in steps:

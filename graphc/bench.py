@@ -107,18 +107,19 @@ def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = Tr
     return rows
 
 
-AB_ROUNDS = 5          # round-robin passes of an A/B timed in turns (interleaved_medians)
+AB_ROUNDS = 5          # round-robin passes of an A/B timed in turns (interleaved_rounds)
 
 
-def interleaved_medians(replays: dict[str, Callable[[], None]], rounds: int = AB_ROUNDS) -> dict[str, float]:
-    """Median seconds of each of ``replays`` (name -> one graph replay) over ``rounds``
-    round-robin passes of ``time_replays``, so that a board whose clock drifts meanwhile
-    slows every one of them alike."""
+def interleaved_rounds(replays: dict[str, Callable[[], None]], rounds: int = AB_ROUNDS,
+                       per_pass: int = 50) -> dict[str, list[float]]:
+    """Seconds of each of ``replays`` (name -> one graph replay) in each of ``rounds``
+    round-robin passes (``time_replays``, the median of ``per_pass`` replays), so that a board
+    whose clock drifts meanwhile slows every one of them alike. Compare the medians."""
     passes: dict[str, list[float]] = {name: [] for name in replays}
     for _ in range(rounds):
         for name, replay in replays.items():
-            passes[name].append(time_replays(replay))
-    return {name: statistics.median(p) for name, p in passes.items()}
+            passes[name].append(time_replays(replay, replays=per_pass))
+    return passes
 
 
 # graphc bench's hand-written baselines (results key -> implementations; no PDL in either):
@@ -194,12 +195,14 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
         except (GraphcError, torch.cuda.OutOfMemoryError) as e:
             progress(f"the plain-residual model does not fit beside this one ({e}); timing it afterwards")
             plain = None
-        if plain is not None:
+        in_turns = plain is not None
+        if in_turns:
             for r in rows:
                 b = r["batch"]
                 step(*_inputs(step, b, context))
                 plain(*_inputs(plain, b, context))
-                t = interleaved_medians({"attn_res": step.graphs[b].replay, "plain": plain.graphs[b].replay})
+                passes = interleaved_rounds({"attn_res": step.graphs[b].replay, "plain": plain.graphs[b].replay})
+                t = {name: statistics.median(p) for name, p in passes.items()}
                 r["attn_res_ab"] = {"attn_res_us": t["attn_res"] * 1e6, "plain_us": t["plain"] * 1e6,
                                     "rounds": AB_ROUNDS}
                 r["plain_step_us"] = t["plain"] * 1e6
@@ -207,7 +210,7 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
             del plain
         del step
         torch.cuda.empty_cache()
-        if "plain_step_us" not in rows[0]:
+        if not in_turns:
             plain = build(plain_spec, batch_sizes, device="cuda", progress=progress)
             for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=plain,
                                              hbm_bytes_per_s=bandwidth["hbm_bytes_per_s"])):

@@ -1,6 +1,8 @@
 """DecodeStep on the CPU (reference executor behind the same API): batch selection, padding
 into the scratch slot, and every refused input leaving the KV cache untouched."""
 
+import statistics
+
 import numpy as np
 import pytest
 import torch
@@ -281,13 +283,15 @@ def test_ab_timing_alternates_its_candidates_and_takes_medians(monkeypatch):
 
     order, times = [], iter([3.0, 1.0, 2.0, 5.0, 1.5, 4.0])     # (a, b) per round
 
-    def timed(replay):
-        order.append(replay())
+    def timed(replay, replays):
+        order.append((replay(), replays))
         return next(times)
 
     monkeypatch.setattr(gb, "time_replays", timed)
-    assert gb.interleaved_medians({"a": lambda: "a", "b": lambda: "b"}, rounds=3) == {"a": 2.0, "b": 4.0}
-    assert order == ["a", "b"] * 3
+    passes = gb.interleaved_rounds({"a": lambda: "a", "b": lambda: "b"}, rounds=3, per_pass=100)
+    assert passes == {"a": [3.0, 2.0, 1.5], "b": [1.0, 5.0, 4.0]}
+    assert {name: statistics.median(p) for name, p in passes.items()} == {"a": 2.0, "b": 4.0}
+    assert order == [("a", 100), ("b", 100)] * 3
 
 
 def test_padding_waste_is_reported_per_size():
