@@ -6,7 +6,8 @@
 
 Builds the step, times the captured graph (``graphc.bench.bench_step``), then profiles
 every kernel alone (``DecodeStep.profile``: each kernel 10x in its own CUDA graph, no
-neighbours, no PDL overlap) and groups the kernels by role (``L03.mlp.down`` -> ``mlp.down``). Per role: the
+neighbours, no PDL overlap; its repeats find inputs that fit in L2, such as AttnRes's, already
+there, so small kernels time faster alone than in the step) and groups the kernels by role (``L03.mlp.down`` -> ``mlp.down``). Per role: the
 summed time, the summed floor (the op's own ``bytes_moved`` / 4.3 TB/s), their ratio and the
 time lost above the floor. The ``in step`` column is the same role inside the replayed graph
 (kernel timestamps from the profiler, CUPTI): each kernel's end minus the previous kernel's end,
