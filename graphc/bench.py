@@ -33,39 +33,71 @@ def time_replays(fn: Callable[[], None], warmup: int = 5, replays: int = 50) -> 
     return statistics.median(times)
 
 
-def copy_bytes_per_s(device="cuda", nbytes: int = 256 << 20, copies: int = 10, rounds: int = 7,
-                     warmup_s: float = 0.3) -> float:
-    """The GPU's device-to-device copy bandwidth, bytes read + written per second: the median
-    of ``rounds`` event-timed runs of ``copies`` back-to-back copies of ``nbytes`` (far past
-    the 50 MB L2), after ``warmup_s`` of copies: an idle GPU measured cold copies at 5% of
-    its bandwidth while its clocks came up."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+def _bytes_per_s(call: Callable[[], int], device, calls: int, rounds: int, warmup_s: float) -> float:
+    """The median over ``rounds`` event-timed runs of ``calls`` back-to-back ``call()``s (each
+    returns the bytes it moves), after ``warmup_s`` of them: an idle GPU measured cold copies
+    at 5% of its bandwidth while its clocks came up."""
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_s:
-        for _ in range(copies):
-            dst.copy_(src)
+        for _ in range(calls):
+            call()
         torch.cuda.synchronize(device)
     rates = []
     for _ in range(rounds):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        for _ in range(copies):
-            dst.copy_(src)
+        moved = sum(call() for _ in range(calls))
         end.record()
         end.synchronize()
-        rates.append(2 * nbytes * copies / (begin.elapsed_time(end) / 1e3))
-    del src, dst
+        rates.append(moved / (begin.elapsed_time(end) / 1e3))
     return statistics.median(rates)
 
 
+def copy_bytes_per_s(device="cuda", nbytes: int = 256 << 20, copies: int = 10, rounds: int = 7,
+                     warmup_s: float = 0.3) -> float:
+    """The GPU's device-to-device copy bandwidth, bytes read + written per second, over
+    ``nbytes`` (far past the 50 MB L2)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copy() -> int:
+        dst.copy_(src)
+        return 2 * nbytes
+
+    rate = _bytes_per_s(copy, device, copies, rounds, warmup_s)
+    del src, dst
+    return rate
+
+
+def read_bytes_per_s(device="cuda", nbytes: int = 1 << 30, calls: int = 10, rounds: int = 7,
+                     warmup_s: float = 0.3) -> float:
+    """How fast this board's HBM reads: ``kernels/hbm_read.py`` summing an ``nbytes`` buffer
+    (far past the L2), bytes read per second. A decode step almost only reads, and HBM reads
+    faster than it copies."""
+    from .kernels import hbm_read
+
+    words = torch.ones(nbytes // 4, dtype=torch.int32, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs, iters = hbm_read.read_grid(words.numel(), sms)
+    partial_sums = torch.empty(programs, dtype=torch.int32, device=device)
+    rate = _bytes_per_s(lambda: hbm_read.read_sum(words, partial_sums, programs, iters), device, calls,
+                        rounds, warmup_s)
+    del words, partial_sums
+    return rate
+
+
 def device_floor_bandwidth(device="cuda") -> dict:
-    """The bandwidth the floors use on this GPU and where it comes from, with the copy
-    bandwidth this board measures now (boards differ by a few percent)."""
+    """The bandwidth the floors use on this GPU and where it comes from, with the copy and read
+    rates this board measures now (boards differ by a few percent)."""
     name = torch.cuda.get_device_name(device)
     measured = copy_bytes_per_s(device)
     bytes_per_s, source = floor_bandwidth(name, measured)
-    return {"hbm_bytes_per_s": bytes_per_s, "source": source, "copy_bytes_per_s": measured}
+    try:
+        read = read_bytes_per_s(device)
+    except (ImportError, torch.cuda.OutOfMemoryError):   # no Triton; a model that fills the GPU
+        read = None
+    return {"hbm_bytes_per_s": bytes_per_s, "source": source, "copy_bytes_per_s": measured,
+            "read_bytes_per_s": read}
 
 
 def _inputs(step, batch: int, context: int):
@@ -246,6 +278,11 @@ def format_bench_table(result: dict) -> str:
         lines.append(f"floor: bytes / {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({bw['source']}); this board "
                      f"copies at {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     lines.append(format_step_table(result["rows"]))
+    read = result.get("floor_bandwidth", {}).get("read_bytes_per_s")
+    if read:        # the same bytes at the rate this board reads (kernels/hbm_read.py)
+        scale = read / result["floor_bandwidth"]["hbm_bytes_per_s"]
+        lines.append(f"against this board's read rate ({read / 1e12:.2f} TB/s, a read-only kernel): "
+                     + ", ".join(f"{r['ratio'] * scale:.3f}x at batch {r['batch']}" for r in result["rows"]))
     if "torch_eager_us" in result["rows"][0]:
         # Baselines a result has (files from before session 21 have neither).
         shown = [(key, label) for key, label in (("cublas_step_us", "cuBLAS us"), ("library_step_us", "cuBLAS+torch us"))

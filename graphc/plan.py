@@ -189,12 +189,14 @@ DEVICE_HEADROOM_BYTES = 1 << 30
 
 def check_fits(schedule: Schedule, max_batch: int, free_bytes: int, device_name: str,
                new_weight_bytes: int | None = None, transient_bytes: int = 0,
-               memory: str = "GPU memory") -> MemoryLayout:
+               memory: str = "GPU memory", total_bytes: int | None = None) -> MemoryLayout:
     """Refuse, before anything is allocated, a build whose buffers and weights cannot fit in
     ``free_bytes``; say what takes the memory and the largest batch size that would fit.
 
     new_weight_bytes: the weights still to be allocated (None: all of them; 0 when they are
-    already on the device); transient_bytes: the peak of temporaries while creating them."""
+    already on the device); transient_bytes: the peak of temporaries while creating them;
+    total_bytes: the device's whole memory, which tells a device too small for the model from
+    one whose memory other tensors or processes hold now."""
     layout = memory_layout(schedule, max_batch)
     weights = layout.weight_bytes if new_weight_bytes is None else new_weight_bytes
 
@@ -213,9 +215,15 @@ def check_fits(schedule: Schedule, max_batch: int, free_bytes: int, device_name:
     if fits:
         advice = f"Capture batch sizes up to {fits}, or lower model.max_context ({spec.model.max_context}) in {spec.path}"
     elif weights and weights + workspace > free_bytes:
-        # No KV cache however small makes room: only a device (or host) with more memory helps.
-        advice = (f"The weights alone ({weights / 1e9:.1f} GB, {(weights + workspace) / 1e9:.1f} GB with the "
-                  f"workspace) do not fit: this model needs a device with more memory.")
+        # No KV cache however small makes room: only more free memory helps, which an idle
+        # device of this size has unless the model is larger than the device itself.
+        alone = f"The weights alone ({weights / 1e9:.1f} GB, {(weights + workspace) / 1e9:.1f} GB with the workspace)"
+        if total_bytes is not None and need(memory_layout(schedule, 1)) <= total_bytes:
+            advice = (f"{alone} do not fit in what is free: {(total_bytes - free_bytes) / 1e9:.1f} GB of its "
+                      f"{total_bytes / 1e9:.1f} GB are in use (by this process or another); free them, "
+                      f"or build on an idle device.")
+        else:
+            advice = f"{alone} do not fit: this model needs a device with more memory."
     else:
         advice = f"No batch size fits: lower model.max_context ({spec.model.max_context}) in {spec.path}"
     raise GraphcError(

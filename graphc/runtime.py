@@ -357,10 +357,10 @@ def check_memory(schedule: Schedule, max_batch: int, dev: torch.device, weights)
     ``weights`` as ``build`` takes them: None (seeded random, with its temporaries), a file,
     or a ``Weights`` already there."""
     if dev.type == "cuda":
-        free, where, memory = torch.cuda.mem_get_info(dev)[0], _gpu_name(dev), "GPU memory"
+        (free, total), where, memory = torch.cuda.mem_get_info(dev), _gpu_name(dev), "GPU memory"
     else:
-        free, where, memory = host_free_bytes(), "this host", "host memory"
-    check_fits(schedule, max_batch, free, where, memory=memory,
+        free, total, where, memory = host_free_bytes(), None, "this host", "host memory"
+    check_fits(schedule, max_batch, free, where, memory=memory, total_bytes=total,
                new_weight_bytes=0 if isinstance(weights, Weights) else None,
                transient_bytes=random_init_temporary_bytes(weight_shapes(schedule.graph)) if weights is None else 0)
 

@@ -82,3 +82,20 @@ def test_nothing_fits_on_a_small_device():
     with pytest.raises(GraphcError, match=r"80\.0 GB free\. The weights alone \(103\.0 GB, 104\.\d GB with "
                                           r"the workspace\) do not fit: this model needs a device with more memory\.$"):
         check_fits(schedule, 4, 80 * 10**9, "NVIDIA H100 80GB HBM3 (cuda:0)")
+
+
+def test_a_device_whose_memory_is_in_use_is_not_called_too_small():
+    """The same 103 GB of weights on an H200 with 25.8 GB free (another model built beside this
+    one holds the rest, as in graphc bench's A/B on the 93-layer model): the device is large
+    enough when idle, so the advice names the memory in use, not a larger device."""
+    schedule = schedule_of("layer_specs/kimi_k3_dense.yaml")
+    total = 150 * 10**9
+    with pytest.raises(GraphcError) as err:
+        check_fits(schedule, 8, 25_800_000_000, "NVIDIA H200 (cuda:0)", total_bytes=total)
+    msg = str(err.value)
+    assert msg.endswith("do not fit in what is free: 124.2 GB of its 150.0 GB are in use (by this process "
+                        "or another); free them, or build on an idle device."), msg
+    assert "needs a device with more memory" not in msg
+    # On a device smaller than the model, the total changes nothing.
+    with pytest.raises(GraphcError, match=r"this model needs a device with more memory\.$"):
+        check_fits(schedule, 4, 80 * 10**9, "NVIDIA H100 80GB HBM3 (cuda:0)", total_bytes=85 * 10**9)

@@ -266,6 +266,13 @@ def test_bench_table_formats_recorded_numbers():
     assert line[1].split() == ["8", "2700.0", "2650.0", "1.9%", "3.1%", "4650.0", "6100.0"]
     assert "fp32 ref: the reference executor, a correctness oracle" in text
     assert "cuBLAS+torch" not in text                 # recorded before that baseline existed
+    assert "read rate" not in text                    # recorded before the read rate existed
+    # The same bytes at the board's read rate: 2700 / (2580 * 4.3 / 4.47) = 1.088.
+    text = format_bench_table({"spec": "x.yaml", "gpu": "NVIDIA H200", "date": "2026-12-01",
+                               "context": 1024, "rows": [row],
+                               "floor_bandwidth": {"hbm_bytes_per_s": 4.3e12, "copy_bytes_per_s": 4.21e12,
+                                                   "read_bytes_per_s": 4.47e12, "source": "x"}})
+    assert "against this board's read rate (4.47 TB/s, a read-only kernel): 1.088x at batch 8" in text
     row["attn_res_ab"] = {"attn_res_us": 2702.0, "plain_us": 2650.0, "rounds": 5}
     row["cublas_step_us"], row["library_step_us"] = 2781.0, 4590.0
     text = format_bench_table({"spec": "x.yaml", "gpu": "NVIDIA H200", "date": "2026-12-01",
