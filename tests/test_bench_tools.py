@@ -219,4 +219,3 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
         fake.decode_attention(1, 2, heads=8)
         gemm.linear(None, qkv, None)                # no GEMM knob in this variant
     assert calls[-2:] == [("attention", {"chunk": 256, "heads": 8}), (qkv, {})]
-
