@@ -16,8 +16,8 @@ unfused cuBLAS path runs; before session 21 it was torch's silu and mul, two ker
 copy of the strided gate). Both ratios to cuBLAS are printed: PDL chaining hides 2-3 µs per call at 32-64
 rows (bench/gemm_notes.md §14).
 The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the H200's
-4.3 TB/s (graphc/floor.py; this board's device-to-device copy, graphc/bench.py, is reported
-beside it). ``--power`` samples the board's power and SM clock while ours and cuBLAS run.
+4.3 TB/s (graphc/floor.py; this board's device-to-device copy and read rate, graphc/bench.py,
+are reported beside it). ``--power`` samples the board's power and SM clock while ours and cuBLAS run.
 ``variants`` times the legal alternatives to the default tuning (``bk``: K per stage 64/128;
 ``pf``: W iterations prefetched into L2 before the PDL wait), each checked against the
 reference first; they decide
@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # Same target string as the tests (conftest.py), so both share the on-disk compile cache.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from graphc.bench import copy_bytes_per_s  # noqa: E402
+from graphc.bench import copy_bytes_per_s, read_bytes_per_s  # noqa: E402
 from graphc.floor import H200_HBM_BYTES_PER_S  # noqa: E402
 from graphc.kernels import gemm  # noqa: E402
 from graphc.power import measure_power, nvidia_smi_id  # noqa: E402
@@ -275,9 +275,10 @@ def main() -> None:
     if args.only:
         shapes = [s for s in shapes if s[0] in args.only.split(",")]
     ms = [int(v) for v in args.m.split(",")]
-    copy_bw = copy_bytes_per_s()
+    copy_bw, read_bw = copy_bytes_per_s(), read_bytes_per_s()
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB; "
-          f"D2D copy {copy_bw / 1e12:.2f} TB/s (floor uses {H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
+          f"D2D copy {copy_bw / 1e12:.2f} TB/s, read {read_bw / 1e12:.2f} TB/s "
+          f"(floor uses {H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
 
     rows = []
     hdr = (f"{'shape':<13}{'M':>4} {'floor us':>9} {'pdl us':>8} {'%floor':>7} {'nopdl us':>9} "
@@ -317,6 +318,7 @@ def main() -> None:
         "host": platform.node(),
         "hbm_bytes_per_s_nominal": H200_HBM_BYTES_PER_S,
         "d2d_copy_bytes_per_s_measured": copy_bw,
+        "read_bytes_per_s_measured": read_bw,
         "bf16_flops_nominal": BF16_FLOPS,
         "method": "CUDA graph of a chain of calls cycling weight copies > 4x L2; median of replays / chain",
         "rows": rows,

@@ -5,7 +5,7 @@ step almost only reads (its weights and KV cache), and HBM reads faster than it 
 turns the bus around between reads and writes), so ``graphc bench`` also prints the step
 against the rate measured here. cuBLAS's matrix-vector product was tried as that probe first
 and read *slower* than the copy (bench/step_notes.md, session 21), so the probe is a kernel made for
-it: every program sums its own contiguous run of 32-bit words, loaded 16 bytes per thread
+it: every program sums its own contiguous run of 32-bit words, in 16-byte loads
 with ``.cg`` (L2 only), and writes one int32; nothing else is written.
 
 Sizes tried on an H200 (bench/results/read_probe_*_session22.txt): 1024-8192 words per load,
