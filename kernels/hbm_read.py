@@ -10,7 +10,9 @@ with ``.cg`` (L2 only), and writes one int32; nothing else is written.
 
 Sizes tried on an H200 (bench/results/read_probe_*_session22.txt): 1024-8192 words per load,
 4-16 warps, 4-32 programs per SM, contiguous or strided runs: 4.33-4.47 TB/s, against a copy of
-4.17 on the same board. The defaults below are the fastest of those.
+4.17 on the same board. The defaults below are the fastest of those. It is a lower bound on
+what a board reads: graphc's decode GEMM streamed lm_head 1.3% faster on one board (4.61
+against 4.55 TB/s, bench/gemm_notes.md §31).
 """
 
 from __future__ import annotations
