@@ -138,7 +138,7 @@ def cmd_build(args) -> int:
     from .weights import check_weights
     from .viz import write_dataflow_svg, write_schedule_html
 
-    from .schedule import build_schedule
+    from .schedule import build_schedule, not_installed
 
     import torch
 
@@ -188,6 +188,10 @@ def cmd_build(args) -> int:
          f"workspace {DEVICE_HEADROOM_BYTES / 1e9:.1f} GB)")
     for group, s in _groups(schedules):
         _say(f"  batch {', '.join(map(str, group))}: {s.describe()}")
+    missing = not_installed(graph)
+    if missing:
+        _say("  not installed here: " + "; ".join(f"{kind} {'/'.join(names)}" for kind, names in missing.items())
+             + " (the schedules above use the next implementation; a GPU machine that has them may choose them)")
     _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")
     for b in args.batch_sizes:
         _say(f"    batch {b:4d}: {step_floor_s(schedule, b, ctx) * 1e6:10.1f} us")

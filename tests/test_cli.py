@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import subprocess
@@ -431,3 +432,24 @@ def test_compile_fails_when_a_kernel_did_not_reach_the_disk(tmp_path, monkeypatc
     said = [line for line in progress if "could not write to the kernel cache" in line]   # as it happened
     assert len(said) == 1 and f"cache: {tmp_path}" in said[0] and reason in said[0]
     assert list(tmp_path.iterdir()) == []           # no half-written object left behind
+
+
+def test_build_names_the_implementations_this_machine_cannot_load(tmp_path, monkeypatch, capsys):
+    """A build on a machine without Triton (CI's) plans the torch attention at one row; it says
+    so, since a GPU machine with Triton would run the Triton kernel there instead."""
+    from graphc.ops.attention import DecodeAttentionOp
+
+    triton = DecodeAttentionOp.implementations["triton"]
+    monkeypatch.setitem(DecodeAttentionOp.implementations, "triton",
+                        dataclasses.replace(triton, available=lambda: False))
+    assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1", "--no-reference"]) == 0
+    out = capsys.readouterr().out
+    assert "decode_attention torch" in out
+    line = [l for l in out.splitlines() if "not installed here:" in l]
+    assert len(line) == 1 and "decode_attention triton" in line[0], out
+    monkeypatch.setitem(DecodeAttentionOp.implementations, "triton",
+                        dataclasses.replace(triton, available=lambda: True))
+    assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1", "--no-reference"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 1: " in out and "decode_attention triton" in out
+    assert not any("triton" in l for l in out.splitlines() if "not installed here:" in l), out
