@@ -145,7 +145,8 @@ def cmd_build(args) -> int:
     sizes = args.batch_sizes
     capture = torch.cuda.is_available() and not args.no_capture
     # The files describe what runs: on a GPU that is to capture, its implementations (portable
-    # ones where it is not an H100/H200), else the Hopper schedule graphc is built for.
+    # ones where it is not an H100/H200), else the Hopper schedule graphc is built for, made of
+    # the kernels installed here (the summary names those that are not: not_installed).
     spec, graph, schedule = _front(args.spec, use_pdl=not args.no_pdl, batch=sizes[0])
     # The choices graphc.build makes on this GPU (none beyond the defaults on an H100/H200).
     chosen = gpu_implementations(graph, torch.device("cuda", torch.cuda.current_device()),
