@@ -26,7 +26,7 @@ from .plan import Plan, check_fits
 from .reference import run_kernels
 from .schedule import Schedule, build_schedule, implementations_for_gpu
 from .spec import Spec, load_spec
-from .weights import Weights, random_init_temporary_bytes, read_weights
+from .weights import Weights, check_finite_weights, random_init_temporary_bytes, read_weights
 
 MAX_BATCH = 512      # the largest captured batch size (the decode GEMM's M; the kernels' sizing)
 
@@ -182,12 +182,17 @@ class DecodeStep:
     @_on_step_device
     def load_weights(self, path: str | os.PathLike) -> None:
         """Reload weights in place: the captured graphs read the same memory, so the next
-        replay uses the new values and no graph is stale. (A spec change needs a new build.)"""
-        # All of them checked first (read_weights), then one tensor at a time, read on the
-        # host and copied straight into place: no GPU memory beyond the weights themselves
-        # (a second copy of every weight, or even of the 2.35 GB lm_head, need not fit).
+        replay uses the new values and no graph is stale. (A spec change needs a new build.)
+        The file is read twice: once to check every value (no NaN or Inf), then to copy, so a
+        bad file changes nothing."""
+        # Names, dtypes and shapes checked from the header, every value on a first pass
+        # (check_finite_weights), then one tensor at a time, read on the host and copied
+        # straight into place: no GPU memory beyond the weights themselves (a second copy of
+        # every weight, or even of the 2.35 GB lm_head, need not fit).
+        shapes = weight_shapes(self.schedule.graph)
+        check_finite_weights(path, shapes)
         with torch.no_grad():
-            for name, t in read_weights(path, weight_shapes(self.schedule.graph), "cpu"):
+            for name, t in read_weights(path, shapes, "cpu", check_values=False):
                 self.plan.weights.tensors[name].copy_(t)
                 del t
 

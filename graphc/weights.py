@@ -58,14 +58,49 @@ _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "
 
 
 def read_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]],
-                 device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+                 device: str | torch.device = "cpu", check_values: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of a safetensors file, one tensor at a time on ``device``, after checking
-    every name, dtype and shape against ``shapes`` from the file's header: a bad file is
-    refused before any tensor is read, and a caller that copies each tensor into place (a
-    reload) never holds more than one extra tensor (the 93-layer model's weights are 103 GB)."""
+    every name, dtype and shape against ``shapes`` from the file's header: a file with the
+    wrong names or shapes is refused before any tensor is read, and a caller that copies each
+    tensor into place (a reload) never holds more than one extra tensor (the 93-layer model's
+    weights are 103 GB). A tensor holding NaN or Inf is refused when it is read: such a weight
+    would only show up as NaN logits (``check_values=False``: not checked, for a second pass
+    over a file already checked)."""
     with _checked_file(path, shapes, device) as f:
         for name in shapes:
-            yield name, f.get_tensor(name).contiguous()
+            t = f.get_tensor(name).contiguous()
+            if check_values:
+                _refuse_non_finite(path, name, t)
+            yield name, t
+
+
+def check_finite_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Read every weight of the file once on the host and refuse it if any value is NaN or Inf
+    (``read_weights``' check), keeping none of them."""
+    for _name, t in read_weights(path, shapes, "cpu"):
+        del t
+
+
+# Elements tested at a time: the test's temporaries (96 MB at this size) stay inside the
+# workspace a build reserves beside the weights, even for the 2.35 GB lm_head on a full GPU.
+_FINITE_CHUNK = 1 << 25
+
+
+def _refuse_non_finite(path, name: str, t: torch.Tensor) -> None:
+    # bf16 NaN and Inf are exactly the values whose 8 exponent bits are all ones; testing the
+    # bits reads the tensor once, without a float copy of it.
+    bits = t.view(-1).view(torch.int16)
+    count, first_flat = 0, None
+    for start in range(0, bits.numel(), _FINITE_CHUNK):
+        bad = (bits[start:start + _FINITE_CHUNK] & 0x7F80) == 0x7F80
+        found = int(bad.sum())
+        if found and first_flat is None:
+            first_flat = start + int(bad.nonzero()[0])
+        count += found
+    if count:
+        first = tuple(int(i) for i in torch.unravel_index(torch.tensor(first_flat), t.shape))
+        raise GraphcError(f"{path}: {name}: {count} value{'s' if count != 1 else ''} NaN or Inf "
+                          f"(the first at index {list(first)}, {float(t[first])})")
 
 
 def check_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]]) -> None:

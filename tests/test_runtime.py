@@ -1,6 +1,7 @@
 """DecodeStep on the CPU (reference executor behind the same API): batch selection, padding
 into the scratch slot, and every refused input leaving the KV cache untouched."""
 
+import re
 import statistics
 
 import numpy as np
@@ -356,3 +357,48 @@ def test_bench_library_baselines_are_cublas_then_torch_ops_without_pdl():
         assert kinds["linear"] == "cublas" and kinds["decode_attention"] in ("tma", "triton")
         attn_res[key] = kinds["attn_res"]
     assert attn_res == {"cublas_step_us": "cute", "library_step_us": "torch"}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_weights_holding_nan_or_inf_are_refused_and_a_reload_changes_nothing(tmp_path, step, value):
+    """A weight file with two NaN or Inf values: a build refuses it naming the weight, the count
+    and the first; a reload refuses it before replacing anything (it checks every value first)."""
+    from safetensors.torch import save_file
+
+    from graphc.graph import weight_shapes
+    from graphc.weights import Weights
+
+    shapes = weight_shapes(step.schedule.graph)
+    tensors = Weights.random(shapes, seed=5).tensors
+    last = list(shapes)[-1]                       # read last: every other weight passes first
+    tensors[last].view(-1)[7] = value
+    tensors[last].view(-1)[11] = value
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    row, col = divmod(7, tensors[last].shape[-1])
+    index = [row, col] if tensors[last].dim() == 2 else [7]
+    with pytest.raises(GraphcError, match=re.escape(f"bad.safetensors: {last}: 2 values NaN or Inf "
+                                                    f"(the first at index {index}, {value})")):
+        graphc.build("layer_specs/tiny.yaml", [1], weights=tmp_path / "bad.safetensors", device="cpu",
+                     progress=None)
+    tokens, lens = torch.tensor([5, 6]), torch.zeros(2, dtype=torch.int32)
+    before = step(tokens, lens).clone()
+    with pytest.raises(GraphcError, match=f"{last}: 2 values NaN or Inf"):
+        step.load_weights(tmp_path / "bad.safetensors")
+    assert torch.equal(step(tokens, lens), before)
+    assert torch.isfinite(step.plan.weights[last]).all()
+
+
+def test_the_finiteness_test_counts_across_chunks(monkeypatch):
+    """Values are tested a chunk at a time (bounded temporaries on a full GPU): the count sums
+    every chunk and the first bad value is found in whichever chunk holds it."""
+    import graphc.weights
+    from graphc.weights import _refuse_non_finite
+
+    t = torch.ones(4, 6, dtype=torch.bfloat16)
+    _refuse_non_finite("w", "ok", t)                    # finite: no error, whatever the chunk
+    t[1, 5], t[3, 0] = float("inf"), float("nan")       # flat 11 and 18
+    for chunk in (5, 7, 1 << 25):
+        monkeypatch.setattr(graphc.weights, "_FINITE_CHUNK", chunk)
+        with pytest.raises(GraphcError, match=re.escape("w: x: 2 values NaN or Inf (the first at index [1, 5], inf)")):
+            _refuse_non_finite("w", "x", t)
+
