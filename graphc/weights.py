@@ -74,11 +74,14 @@ def read_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]],
             yield name, t
 
 
-def check_finite_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """Read every weight of the file once on the host and refuse it if any value is NaN or Inf
-    (``read_weights``' check), keeping none of them."""
-    for _name, t in read_weights(path, shapes, "cpu"):
-        del t
+def check_finite_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]],
+                         on: torch.device | None = None) -> None:
+    """Read every weight of the file once on the host and refuse it if any value is NaN or Inf,
+    keeping none of them. ``on`` (a GPU): the values are tested there, a chunk at a time
+    (testing 13 GB on the host took 8 s of an H200 machine's 10 s reload; on its GPU, ~1 s)."""
+    with _checked_file(path, shapes, "cpu") as f:
+        for name in shapes:
+            _refuse_non_finite(path, name, f.get_tensor(name), on)
 
 
 # Elements tested at a time: the test's temporaries (96 MB at this size) stay inside the
@@ -86,13 +89,15 @@ def check_finite_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]]
 _FINITE_CHUNK = 1 << 25
 
 
-def _refuse_non_finite(path, name: str, t: torch.Tensor) -> None:
+def _refuse_non_finite(path, name: str, t: torch.Tensor, on: torch.device | None = None) -> None:
     # bf16 NaN and Inf are exactly the values whose 8 exponent bits are all ones; testing the
-    # bits reads the tensor once, without a float copy of it.
-    bits = t.view(-1).view(torch.int16)
+    # bits reads the tensor once, without a float copy of it. ``on``: each chunk is tested
+    # there (a copy of one chunk, not of the tensor).
+    bits = t.contiguous().view(-1).view(torch.int16)
     count, first_flat = 0, None
     for start in range(0, bits.numel(), _FINITE_CHUNK):
-        bad = (bits[start:start + _FINITE_CHUNK] & 0x7F80) == 0x7F80
+        chunk = bits[start:start + _FINITE_CHUNK]
+        bad = ((chunk if on is None else chunk.to(on)) & 0x7F80) == 0x7F80
         found = int(bad.sum())
         if found and first_flat is None:
             first_flat = start + int(bad.nonzero()[0])
