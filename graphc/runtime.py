@@ -186,9 +186,10 @@ class DecodeStep:
         The file is read twice: once to check every value (no NaN or Inf), then to copy, so a
         bad file changes nothing."""
         # Names, dtypes and shapes checked from the header, every value on a first pass
-        # (check_finite_weights, on the GPU a chunk at a time), then one tensor at a time, read on the host and copied
-        # straight into place: no GPU memory beyond the weights themselves (a second copy of
-        # every weight, or even of the 2.35 GB lm_head, need not fit).
+        # (check_finite_weights, on the GPU a chunk at a time), then one tensor at a time,
+        # read on the host and copied straight into place: no GPU memory beyond the weights
+        # themselves (a second copy of every weight, or even of the 2.35 GB lm_head, need
+        # not fit).
         shapes = weight_shapes(self.schedule.graph)
         check_finite_weights(path, shapes, self.device if self.device.type == "cuda" else None)
         with torch.no_grad():
