@@ -80,14 +80,12 @@ def check_finite_weights(path: str | Path, shapes: Mapping[str, tuple[int, ...]]
     keeping none of them. ``on`` (a GPU): the values are tested there, a chunk at a time, and
     on the host once that GPU has no room for a chunk (an H200 machine reloading 13 GB: 4.2 s
     in all testing on its GPU, 10-11 s testing on its host, 1.7-2.1 s without the test)."""
-    with _checked_file(path, shapes, "cpu") as f:
-        for name in shapes:
-            t = f.get_tensor(name)
-            try:
-                _refuse_non_finite(path, name, t, on)
-            except torch.cuda.OutOfMemoryError:      # a reload must work on a full GPU
-                on = None
-                _refuse_non_finite(path, name, t)
+    for name, t in read_weights(path, shapes, "cpu", check_values=False):
+        try:
+            _refuse_non_finite(path, name, t, on)
+        except torch.cuda.OutOfMemoryError:      # a reload must work on a full GPU
+            on = None
+            _refuse_non_finite(path, name, t)
 
 
 # Elements tested at a time: the test's temporaries (96 MB at this size) stay inside the
