@@ -1,5 +1,5 @@
 """Compile the decode-GEMM variants that the GPU tests and benchmarks use, the AttnRes variants
-of the shipped specs, and their CuTe DSL attention at the batch sizes where it is the default,
+of the shipped specs, and their two CuTe DSL attentions at the batch sizes where they are the default,
 on a machine without a GPU, into the disk compile cache (kernels/compile_cache.py), so that the GPU machine loads
 them instead of spending its time in the compiler.
 
@@ -37,6 +37,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 H200_SMS = 132
 STEP_BATCH_SIZES = (1, 2, 3, 4, 5, 8, 16)  # step tests, `graphc bench`, `graphc build` at <= 16 rows
 ATTENTION_BATCH_SIZES = (2, 3, 4, 5, 8, 16, 24, 32, 64, 128)  # the TMA attention's default from 2 rows
+CLUSTER_ATTENTION_BATCH_SIZES = (1, 2, 3)   # the cluster attention's default (1 row), its tests and A/Bs
 
 
 def shipped_ops(op_type) -> list:
@@ -53,10 +54,11 @@ def shipped_ops(op_type) -> list:
 
 def kernel_modules() -> dict:
     """Compile-cache name -> kernel module, for the CuTe DSL kernels this tool compiles: the two
-    decode GEMMs (stream-K and whole-K tiles), AttnRes and the attention."""
-    from graphc.kernels import attn_res, decode_attention_tma, gemm, gemm_wide
+    decode GEMMs (stream-K and whole-K tiles), AttnRes and the two attentions."""
+    from graphc.kernels import attn_res, decode_attention_cluster, decode_attention_tma, gemm, gemm_wide
 
-    return {m.compile_cache().name: m for m in (gemm, gemm_wide, attn_res, decode_attention_tma)}
+    return {m.compile_cache().name: m
+            for m in (gemm, gemm_wide, attn_res, decode_attention_tma, decode_attention_cluster)}
 
 
 def spec_linear_shapes() -> set[tuple]:
@@ -132,6 +134,22 @@ def attention_configs() -> list[tuple]:
     return keys
 
 
+def cluster_attention_configs() -> list[tuple]:
+    """Keys of the cluster attention for every attention op of the shipped specs it supports,
+    at CLUSTER_ATTENTION_BATCH_SIZES."""
+    from graphc.kernels.decode_attention_cluster import compiled_variant
+    from graphc.ops.attention import DecodeAttentionOp, cluster_supports
+
+    keys = []
+    for op in shipped_ops(DecodeAttentionOp):
+        if cluster_supports(**op.params()):
+            for rows in CLUSTER_ATTENTION_BATCH_SIZES:
+                key = compiled_variant(rows, **op.params())[1]
+                if key not in keys:
+                    keys.append(key)
+    return keys
+
+
 def attn_res_configs() -> list[tuple]:
     """Keys of every AttnRes call of the shipped specs (the kernel does not depend on the batch
     size)."""
@@ -176,10 +194,13 @@ def main() -> None:
     from gemm import parse_tunings                   # bench/gemm.py
 
     jobs = (gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m], args.lean)
-            + [("attn_res", k) for k in attn_res_configs()] + [("attention", k) for k in attention_configs()])
-    counts = {kind: sum(j[0] == kind for j in jobs) for kind in ("gemm", "gemm_wide", "attn_res", "attention")}
+            + [("attn_res", k) for k in attn_res_configs()] + [("attention", k) for k in attention_configs()]
+            + [("attention_cluster", k) for k in cluster_attention_configs()])
+    counts = {kind: sum(j[0] == kind for j in jobs)
+              for kind in ("gemm", "gemm_wide", "attn_res", "attention", "attention_cluster")}
     print(f"{counts['gemm']} stream-K and {counts['gemm_wide']} whole-K decode-GEMM, {counts['attn_res']} "
-          f"AttnRes and {counts['attention']} attention variants -> "
+          f"AttnRes, {counts['attention']} TMA attention and {counts['attention_cluster']} cluster "
+          f"attention variants -> "
           f"{os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")
     from graphc.compile_ahead import compile_variants
 

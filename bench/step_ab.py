@@ -4,6 +4,7 @@
         --variant pf8:l2_prefetch=8 --variant pf8_s6:l2_prefetch=8,stages=6
     python3 bench/step_ab.py SPEC --variant pf8_qkv:l2_prefetch=8@attn.qkv   # one role only
     python3 bench/step_ab.py SPEC --batch-sizes 1 --variant c256:attention.chunk=256
+    python3 bench/step_ab.py SPEC --batch-sizes 1,2 --variant cl:impl.decode_attention=cluster
 
 A micro-benchmark runs one kernel after itself; the step is what ships. So a knob of
 kernels/gemm.py (its TUNING_KNOBS) is decided here: every variant passes its knobs to the
@@ -12,7 +13,9 @@ decode GEMMs of the step (or, with ``@role,role``, only to those roles: ``attn.q
 shipped defaults ('shipped'). ``attention.KNOB`` sets a tiling argument of the Triton attention
 (kernels/decode_attention.py: chunk, block_n, num_warps, num_stages, combine_splits; the one-row
 default) for
-every attention call it makes. All variants share one set of weights and are captured once
+every attention call it makes, ``cluster.KNOB`` one of the cluster attention
+(kernels/decode_attention_cluster.py: trigger_at). ``impl.KIND=NAME`` builds the variant with implementation NAME
+for the op kind KIND (``graphc.build``'s ``implementations``). All variants share one set of weights and are captured once
 each; every round replays each variant in turn (``graphc.bench.interleaved_rounds``: the
 median of 100 replays per variant and round), so a board that slows down or caps its power hits every variant alike.
 
@@ -32,28 +35,36 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SHIPPED = "shipped"
 ATTENTION = "attention."
+IMPL = "impl."
 ATTENTION_KNOBS = ("chunk", "block_n", "num_warps", "num_stages", "combine_splits")   # kernels/decode_attention.py
+CLUSTER = "cluster."
+CLUSTER_KNOBS = ("trigger_at",)     # kernels/decode_attention_cluster.py
 
 
-def parse_variant(text: str) -> tuple[str, dict, set | None]:
-    """``name:knob=v,knob=v[@role,role]`` -> (name, knobs, roles or None for every GEMM role)."""
+def parse_variant(text: str) -> tuple[str, dict, set | None, dict]:
+    """``name:knob=v,knob=v[@role,role]`` -> (name, knobs, roles or None for every GEMM role,
+    implementations by op kind)."""
     from graphc.kernels.gemm import LINEAR_KNOBS
 
-    known = (*LINEAR_KNOBS, *(ATTENTION + k for k in ATTENTION_KNOBS))
+    known = (*LINEAR_KNOBS, *(ATTENTION + k for k in ATTENTION_KNOBS), *(CLUSTER + k for k in CLUSTER_KNOBS))
 
     name, sep, rest = text.partition(":")
     if not sep or not name or name == SHIPPED:
         raise SystemExit(f"--variant {text!r}: expected NAME:KNOB=V[,KNOB=V][@ROLE,ROLE] "
                          f"(NAME not {SHIPPED!r})")
     knob_text, _, role_text = rest.partition("@")
-    knobs = {}
+    knobs, implementations = {}, {}
     for item in filter(None, knob_text.split(",")):
         knob, eq, value = item.partition("=")
+        if eq and knob.startswith(IMPL) and value:
+            implementations[knob[len(IMPL):]] = value
+            continue
         if not eq or knob not in known:
-            raise SystemExit(f"--variant {text!r}: {item!r} is not KNOB=V with KNOB one of {', '.join(known)}")
+            raise SystemExit(f"--variant {text!r}: {item!r} is not KNOB=V with KNOB one of {', '.join(known)} "
+                             f"(or {IMPL}KIND=NAME)")
         knobs[knob] = int(value)
     roles = set(filter(None, role_text.split(","))) or None
-    return name, knobs, roles
+    return name, knobs, roles, implementations
 
 
 @contextlib.contextmanager
@@ -64,8 +75,9 @@ def step_knobs(knobs: dict, roles: set | None, role_of_weight: dict):
     ops import both at each launch, so a build made meanwhile captures the variant."""
     import importlib
 
-    gemm_knobs = {k: v for k, v in knobs.items() if not k.startswith(ATTENTION)}
+    gemm_knobs = {k: v for k, v in knobs.items() if not k.startswith((ATTENTION, CLUSTER))}
     attention_knobs = {k[len(ATTENTION):]: v for k, v in knobs.items() if k.startswith(ATTENTION)}
+    cluster_knobs = {k[len(CLUSTER):]: v for k, v in knobs.items() if k.startswith(CLUSTER)}
     patched = []
 
     def patch(module_name: str, name: str, applies):
@@ -84,6 +96,8 @@ def step_knobs(knobs: dict, roles: set | None, role_of_weight: dict):
             roles is None or role_of_weight.get(weight.data_ptr()) in roles) else None)
     if attention_knobs:
         patch("graphc.kernels.decode_attention", "decode_attention", lambda *args: attention_knobs)
+    if cluster_knobs:
+        patch("graphc.kernels.decode_attention_cluster", "decode_attention", lambda *args: cluster_knobs)
     try:
         yield
     finally:
@@ -119,9 +133,10 @@ def main(argv=None) -> int:
     weights = Weights.random(shapes, seed=0, device="cuda")
     role_of_weight = {t.data_ptr(): role(name.rsplit(".", 1)[0]) for name, t in weights.tensors.items()}
     steps = {SHIPPED: build(spec, batch_sizes, weights=weights, progress=None)}
-    for name, knobs, roles in variants:
+    for name, knobs, roles, implementations in variants:
         with step_knobs(knobs, roles, role_of_weight):
-            steps[name] = build(spec, batch_sizes, weights=weights, progress=None)
+            steps[name] = build(spec, batch_sizes, weights=weights, progress=None,
+                                implementations=implementations or None)
 
     floor_bw = device_floor_bandwidth()["hbm_bytes_per_s"]
     print(f"# {torch.cuda.get_device_name()}: {args.spec}, {args.rounds} rounds of the median of "

@@ -3,6 +3,7 @@
     python3 bench/step_breakdown.py layer_specs/kimi_k3_dense_8l.yaml --batch-sizes 32,64
     python3 bench/step_breakdown.py SPEC --batch-sizes 32 --timeline-dir out/ &&
         graphc viz SPEC --profile out/step_timeline_b32.json --out step32.html
+    python3 bench/step_breakdown.py SPEC --batch-sizes 1 --implementation decode_attention=triton
 
 Builds the step, times the captured graph (``graphc.bench.bench_step``), then profiles
 every kernel alone (``DecodeStep.profile``: each kernel 10x in its own CUDA graph, no
@@ -155,12 +156,15 @@ def main() -> None:
     ap.add_argument("--out", help="write the profiles and tables as JSON here")
     ap.add_argument("--timeline-dir", help="write each batch size's replayed step here as a profile "
                                            "(step_timeline_b<B>.json) for graphc viz --profile")
+    ap.add_argument("--implementation", action="append", default=[], metavar="KIND=NAME",
+                    help="build op kind KIND with implementation NAME (graphc.build's implementations)")
     args = ap.parse_args()
+    implementations = dict(item.split("=", 1) for item in args.implementation)
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.timeline_dir:
         os.makedirs(args.timeline_dir, exist_ok=True)
-    step = graphc.build(args.spec, batch_sizes=sizes, progress=None)
+    step = graphc.build(args.spec, batch_sizes=sizes, progress=None, implementations=implementations or None)
     results = []
     for timed in bench_step(step.spec, sizes, args.context, step=step):     # as `graphc bench`
         b = timed["batch"]

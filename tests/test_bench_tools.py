@@ -187,10 +187,13 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     from graphc.kernels import gemm
 
     assert step_ab.parse_variant("pf8:l2_prefetch=8,stages=6@attn.qkv,lm_head") == (
-        "pf8", {"l2_prefetch": 8, "stages": 6}, {"attn.qkv", "lm_head"})
-    assert step_ab.parse_variant("pf16:l2_prefetch=16") == ("pf16", {"l2_prefetch": 16}, None)
-    assert step_ab.parse_variant("c256:attention.chunk=256") == ("c256", {"attention.chunk": 256}, None)
-    for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9", "x:attention.heads=2"):
+        "pf8", {"l2_prefetch": 8, "stages": 6}, {"attn.qkv", "lm_head"}, {})
+    assert step_ab.parse_variant("pf16:l2_prefetch=16") == ("pf16", {"l2_prefetch": 16}, None, {})
+    assert step_ab.parse_variant("c256:attention.chunk=256") == ("c256", {"attention.chunk": 256}, None, {})
+    assert step_ab.parse_variant("cl:impl.decode_attention=cluster,cluster.trigger_at=2") == (
+        "cl", {"cluster.trigger_at": 2}, None, {"decode_attention": "cluster"})
+    for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9", "x:attention.heads=2",
+                "x:cluster.chunk=2", "x:impl.decode_attention="):
         with pytest.raises(SystemExit, match="--variant"):
             step_ab.parse_variant(bad)
 
@@ -219,3 +222,12 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
         fake.decode_attention(1, 2, heads=8)
         gemm.linear(None, qkv, None)                # no GEMM knob in this variant
     assert calls[-2:] == [("attention", {"chunk": 256, "heads": 8}), (qkv, {})]
+
+    # cluster.KNOB reaches the cluster attention.
+    from graphc.kernels import decode_attention_cluster
+
+    monkeypatch.setattr(decode_attention_cluster, "decode_attention",
+                        lambda *args, **kw: calls.append(("cluster", kw)))
+    with step_ab.step_knobs({"cluster.trigger_at": 1}, None, roles):
+        decode_attention_cluster.decode_attention(1, 2, heads=8)
+    assert calls[-1] == ("cluster", {"trigger_at": 1, "heads": 8})

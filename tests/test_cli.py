@@ -28,12 +28,15 @@ def test_build_writes_every_artifact_and_summary(tmp_path, capsys):
     # Small batches get the decode GEMM where CuTe DSL is installed (PDL edges into every
     # linear), large ones cuBLAS (full edges): one schedule per group of batch sizes.
     assert DECODE_GEMM_MAX_BATCH < 64
-    # From TMA_MIN_BATCH rows the CuTe DSL attention (where installed) is entered through a PDL edge too.
-    from graphc.ops.attention import TMA_MIN_BATCH, DecodeAttentionOp
+    # Where CuTe DSL is installed the attention is entered through a PDL edge too: the cluster
+    # kernel up to CLUSTER_MAX_BATCH rows (it triggers after its wait, so no AttnRes loses its PDL
+    # edge: 4 more than without), the TMA kernel from TMA_MIN_BATCH rows (it triggers at entry,
+    # so the AttnRes after o_proj at each block start gets a full edge: 2 more).
+    from graphc.ops.attention import CLUSTER_MAX_BATCH, TMA_MIN_BATCH, DecodeAttentionOp
 
-    assert 1 < TMA_MIN_BATCH <= 3
+    assert CLUSTER_MAX_BATCH == 1 < TMA_MIN_BATCH <= 3
     if DecodeAttentionOp.implementations["tma"].available():
-        assert "batch 1: 26 PDL edges; embedding torch, attn_res cute, linear cute" in out
+        assert "batch 1: 30 PDL edges; embedding torch, attn_res cute, linear cute, decode_attention cluster" in out
         assert "batch 3: 28 PDL edges; embedding torch, attn_res cute, linear cute, decode_attention tma" in out
         assert "batch 64: 13 PDL edges; embedding torch, attn_res cute, linear cublas, decode_attention tma" in out
     else:
@@ -435,18 +438,20 @@ def test_compile_fails_when_a_kernel_did_not_reach_the_disk(tmp_path, monkeypatc
 
 
 def test_build_names_the_implementations_this_machine_cannot_load(tmp_path, monkeypatch, capsys):
-    """A build on a machine without Triton (CI's) plans the torch attention at one row; it says
-    so, since a GPU machine with Triton would run the Triton kernel there instead."""
+    """A build on a machine without CuTe DSL and Triton plans the torch attention at one row; it
+    says so, since a GPU machine with them would run their kernels there instead."""
     from graphc.ops.attention import DecodeAttentionOp
 
-    triton = DecodeAttentionOp.implementations["triton"]
+    triton, cluster = DecodeAttentionOp.implementations["triton"], DecodeAttentionOp.implementations["cluster"]
+    monkeypatch.setitem(DecodeAttentionOp.implementations, "cluster",
+                        dataclasses.replace(cluster, available=lambda: False))
     monkeypatch.setitem(DecodeAttentionOp.implementations, "triton",
                         dataclasses.replace(triton, available=lambda: False))
     assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1", "--no-reference"]) == 0
     out = capsys.readouterr().out
     assert "decode_attention torch" in out
     line = [l for l in out.splitlines() if "not installed here:" in l]
-    assert len(line) == 1 and "decode_attention triton" in line[0], out
+    assert len(line) == 1 and "decode_attention triton/cluster" in line[0], out
     monkeypatch.setitem(DecodeAttentionOp.implementations, "triton",
                         dataclasses.replace(triton, available=lambda: True))
     assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1", "--no-reference"]) == 0

@@ -9,8 +9,8 @@ import pytest
 from graphc import compile_ahead as ca
 from graphc.errors import GraphcError
 from graphc.graph import build_graph
-from graphc.kernels import attn_res, decode_attention_tma, gemm, gemm_wide
-from graphc.ops.attention import TMA_MIN_BATCH, DecodeAttentionOp
+from graphc.kernels import attn_res, decode_attention_cluster, decode_attention_tma, gemm, gemm_wide
+from graphc.ops.attention import CLUSTER_MAX_BATCH, TMA_MIN_BATCH, DecodeAttentionOp
 from graphc.ops.attn_res import AttnResOp
 from graphc.ops.linear import LinearOp
 from graphc.schedule import build_schedule
@@ -47,6 +47,9 @@ def test_a_schedule_needs_one_gemm_per_shape_and_batch_one_attn_res_per_configur
         b, op.heads, op.kv_heads, op.head_dim, op.max_context,
         decode_attention_tma.default_chunk(b), decode_attention_tma.default_stages(b)).key()
         for b in sizes if b >= TMA_MIN_BATCH}
+    few_rows = {key for m, key in variants if m == decode_attention_cluster.__name__}
+    assert few_rows == {decode_attention_cluster.compiled_variant(b, **op.params())[1]
+                        for b in sizes if b <= CLUSTER_MAX_BATCH}
 
     cluster = {key for m, key in variants if m == attn_res.__name__}
     assert cluster == {(op.hidden, op.nb, op.has_delta, op.final) for op in _ops(kimi_graph, AttnResOp)}

@@ -15,10 +15,9 @@ import tempfile
 import pytest
 import torch
 
+from attention_cases import C, H, HD, KV, check_close, check_pdl_race, make_case, reference
 from graphc.kernels import decode_attention_tma as tma
 from graphc.kernels.decode_attention_tma import AttentionConfig
-
-H, KV, HD, C = 64, 8, 128, 2048
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,54 +118,16 @@ def test_ptx_loads_cached_tiles_before_the_wait():
 # ------------------------------------------------------------------------------------------------
 # GPU.
 # ------------------------------------------------------------------------------------------------
-def _case(T: int, maxlen: int, seed: int, heads: int = H, kv_heads: int = KV):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(T, (heads + 2 * kv_heads) * HD, generator=gen, device="cuda").to(torch.bfloat16)
-    kv = torch.randn(T + 1, 2, kv_heads, C, HD, generator=gen, device="cuda").to(torch.bfloat16)
-    lens = torch.randint(0, maxlen + 1, (T,), generator=gen, device="cuda", dtype=torch.int32)
-    lens[0] = maxlen              # the longest row is always there: the case's split count holds
-    slots = torch.randperm(T + 1, device="cuda")[:T].to(torch.int32)
-    return qkv, kv, lens, slots
-
-
-def _reference(qkv, kv, lens, slots, heads: int = H, kv_heads: int = KV):
-    from graphc.ops.attention import DecodeAttentionOp
-
-    op = DecodeAttentionOp(name="attn", heads=heads, kv_heads=kv_heads, head_dim=HD, max_context=C)
-    want_kv = kv.clone()
-    want = torch.full((qkv.shape[0], heads * HD), float("nan"), device="cuda", dtype=torch.bfloat16)
-    op.reference({"qkv": qkv, "kv": want_kv, "seq_lens": lens, "cache_slots": slots, "out": want}, {})
-    return want, want_kv
-
-
-def _ulps_apart(a, b):
-    def ordered(t):
-        bits = t.contiguous().view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-    return (ordered(a) - ordered(b)).abs()
-
-
-def _check_close(got, want):
-    # As the Triton kernel: p = hi + lo carries 16 bits, so only the fp32 summation order
-    # differs from the reference: within one bf16 ulp except near zero.
-    assert not torch.isnan(got).any()
-    ulps = _ulps_apart(got, want)
-    near_zero = (got.float() - want.float()).abs() <= want.float().abs().max() / 1024
-    assert bool(((ulps <= 1) | near_zero).all()), int(ulps.max())
-    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    assert rel < 2e-3, rel
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, kv_heads", [(12, 4), (32, 2), (24, 1)])
 def test_other_query_groups(heads, kv_heads):
     """Groups of 3 (padded to wgmma's N = 8), 16 (two blocks of 8 per thread) and 24."""
-    qkv, kv, lens, slots = _case(5, 1500, heads, heads, kv_heads)
-    want, want_kv = _reference(qkv, kv, lens, slots, heads, kv_heads)
+    qkv, kv, lens, slots = make_case(5, 1500, heads, heads, kv_heads)
+    want, want_kv = reference(qkv, kv, lens, slots, heads, kv_heads)
     got = torch.full_like(want, float("nan"))
     tma.decode_attention(qkv, kv, lens, slots, got, heads=heads, kv_heads=kv_heads, head_dim=HD, chunk=256)
     assert torch.equal(kv, want_kv)
-    _check_close(got, want)
+    check_close(got, want)
 
 
 @pytest.mark.gpu
@@ -182,13 +143,13 @@ def test_other_query_groups(heads, kv_heads):
     (2, 1900, 64, 1),         # 30 splits, one stage
 ])
 def test_against_reference(T, maxlen, chunk, stages):
-    qkv, kv, lens, slots = _case(T, maxlen, T * 7 + (chunk or 0))
-    want, want_kv = _reference(qkv, kv, lens, slots)
+    qkv, kv, lens, slots = make_case(T, maxlen, T * 7 + (chunk or 0))
+    want, want_kv = reference(qkv, kv, lens, slots)
     got = torch.full_like(want, float("nan"))
     tma.decode_attention(qkv, kv, lens, slots, got, heads=H, kv_heads=KV, head_dim=HD, chunk=chunk,
                          stages=stages)
     assert torch.equal(kv, want_kv), "the append (or something else) changed the cache differently"
-    _check_close(got, want)
+    check_close(got, want)
     # A relaunch over the same cache (the token rewritten with the same values) gives the same
     # bits, and the combine left every arrival counter at zero.
     again = torch.full_like(got, float("nan"))
@@ -207,8 +168,8 @@ def test_pdl_race_with_slow_producer(T):
     serialised answer bit for bit, and so does the cache."""
     import pdl_producer
 
-    qkv_src, kv0, lens, slots = _case(T, 1500, 99 + T)
-    want, want_kv = _reference(qkv_src, kv0, lens, slots)
+    qkv_src, kv0, lens, slots = make_case(T, 1500, 99 + T)
+    want, want_kv = reference(qkv_src, kv0, lens, slots)
     qkv = torch.empty_like(qkv_src)
     kv = kv0.clone()
     out = torch.empty_like(want)
@@ -224,17 +185,7 @@ def test_pdl_race_with_slow_producer(T):
         pdl_producer.slow_copy(qkv_src, qkv, 20_000)
         tma.decode_attention(qkv, kv, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD, use_pdl=True)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for i in range(100):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), (
-            f"replay {i}: attention read qkv before its producer finished")
-        assert torch.equal(kv, want_kv), f"replay {i}: the cache got a poisoned append"
+    check_pdl_race(step, out, expected, kv, want_kv)
 
 
 def test_precompile_lists_the_step_variants():

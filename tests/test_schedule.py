@@ -211,20 +211,43 @@ def test_tma_attention_enters_through_pdl(tiny):
 
 
 def test_attention_default_follows_the_batch_size(tiny):
-    """The TMA attention from TMA_MIN_BATCH rows where CuTe DSL is installed (measured faster in
-    the step there), the Triton or torch kernel below."""
+    """Where CuTe DSL is installed the cluster attention up to CLUSTER_MAX_BATCH rows and the
+    TMA attention from TMA_MIN_BATCH rows (each measured faster in the step there); the Triton or
+    torch kernel otherwise."""
     import importlib.util
 
-    from graphc.ops.attention import TMA_MIN_BATCH, tma_supports
+    from graphc.ops.attention import CLUSTER_MAX_BATCH, TMA_MIN_BATCH, cluster_supports, tma_supports
 
     assert tma_supports(64, 8, 128, 2048) and not tma_supports(64, 8, 96, 2048)
     assert not tma_supports(64, 8, 64, 2048)
     assert not tma_supports(64, 8, 128, 1000) and not tma_supports(128, 2, 128, 2048)
     assert tma_supports(128, 4, 128, 2048)      # 32 query heads per KV head: the kernel's limit
-    small = build_schedule(tiny, GEMM, batch=TMA_MIN_BATCH - 1).kernel("L01.attn.attention")
+    assert cluster_supports(64, 8, 128, 2048) and cluster_supports(8, 2, 128, 256)
+    assert not cluster_supports(128, 8, 128, 2048) and not cluster_supports(64, 8, 256, 2048)
+    assert CLUSTER_MAX_BATCH < TMA_MIN_BATCH
+    cute = importlib.util.find_spec("cutlass") is not None
+    portable = build_schedule(tiny, GEMM).kernel("L01.attn.attention").impl    # no batch size known
+    assert portable in ("triton", "torch")
+    small = build_schedule(tiny, GEMM, batch=CLUSTER_MAX_BATCH).kernel("L01.attn.attention")
     large = build_schedule(tiny, GEMM, batch=TMA_MIN_BATCH).kernel("L01.attn.attention")
-    assert small.impl != "tma"
-    assert large.impl == ("tma" if importlib.util.find_spec("cutlass") else small.impl)
+    assert small.impl == ("cluster" if cute else portable)
+    assert large.impl == ("tma" if cute else portable)
+
+
+def test_cluster_attention_keeps_every_attn_res_pdl_edge(tiny):
+    """The cluster attention is entered through a PDL edge like the TMA one, but it triggers
+    after its wait: the kernels before it are then known complete when o_proj and the AttnRes
+    after it launch, so that AttnRes keeps its PDL edge at a block start (where it reads the
+    block the AttnRes before attention wrote), which the TMA kernel's early trigger costs."""
+    s = build_schedule(tiny, {**GEMM, "decode_attention": "cluster"})
+    att = s.kernel("L01.attn.attention")
+    assert (att.edge, att.traits.waits, att.traits.trigger) == ("pdl", True, "late")
+    assert "kv" in att.traits.prologue and att.traits.bypasses_l1
+    assert verify(s) == []
+    tma = build_schedule(tiny, {**GEMM, "decode_attention": "tma"})
+    block_start = "L02.attn_res.mlp"                    # block size 2: layer 2 starts a block
+    assert s.kernel(block_start).edge == "pdl" and tma.kernel(block_start).edge == "full"
+    assert sum(k.edge == "pdl" for k in s.kernels) == sum(k.edge == "pdl" for k in tma.kernels) + 2
 
 
 @pytest.mark.parametrize("head_dim, default", [(96, "torch"), (8, "torch"), (64, "triton")])

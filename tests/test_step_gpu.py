@@ -49,7 +49,8 @@ ARGMAX_AGREEMENT: list[torch.Tensor] = []
 
 @pytest.fixture(scope="module")
 def step8l():
-    # 1 row: the Triton attention; 2 rows and up the TMA one (graphc.ops.attention.TMA_MIN_BATCH).
+    # 1 row: the cluster attention; 2 rows and up the TMA one (graphc.ops.attention's
+    # CLUSTER_MAX_BATCH, TMA_MIN_BATCH).
     return graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[1, 2, 5, 32], progress=print)
 
 
@@ -84,7 +85,7 @@ def test_kimi_8l_four_steps_against_reference(step8l, batch):
     """
     ref = reference_twin(step8l)
     swaps = [reference_twin(step8l, {"decode_attention": "triton"}), reference_twin(step8l, {"decode_attention": "tma"}),
-             reference_twin(step8l, {"attn_res": "cute"})]
+             reference_twin(step8l, {"decode_attention": "cluster"}), reference_twin(step8l, {"attn_res": "cute"})]
     size = step8l.padded_size(batch)
     eager = reference_twin(step8l, step8l.schedule_for(batch).implementations())
     gen = torch.Generator().manual_seed(batch)

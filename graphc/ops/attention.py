@@ -27,6 +27,11 @@ TRITON_TRAITS = PdlTraits(waits=False, trigger="early")
 # L2. It triggers its dependents at entry too.
 TMA_TRAITS = PdlTraits(waits=True, trigger="early", prologue=("kv", "seq_lens", "cache_slots"),
                        bypasses_l1=True)
+# The few-row CuTe DSL kernel (kernels/decode_attention_cluster.py) has the same prologue, but
+# triggers only after its wait: the kernel after it then launches once qkv is complete, so the
+# AttnRes after o_proj keeps its PDL edge at block starts.
+CLUSTER_TRAITS = PdlTraits(waits=True, trigger="late", prologue=("kv", "seq_lens", "cache_slots"),
+                           bypasses_l1=True)
 
 
 def _launch_reference(op, t, w, stream, use_pdl):
@@ -53,6 +58,30 @@ def _tma_variants(op, batch: int, sms: int) -> list[tuple[str, tuple]]:
     return [compiled_variant(batch, op.heads, op.kv_heads, op.head_dim, op.max_context)]
 
 
+def _launch_cluster(op, t, w, stream, use_pdl):
+    from graphc.kernels.decode_attention_cluster import decode_attention
+
+    decode_attention(t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"], heads=op.heads,
+                     kv_heads=op.kv_heads, head_dim=op.head_dim, stream=stream, use_pdl=use_pdl)
+
+
+def _cluster_variants(op, batch: int, sms: int) -> list[tuple[str, tuple]]:
+    from graphc.kernels.decode_attention_cluster import compiled_variant
+
+    return [compiled_variant(batch, op.heads, op.kv_heads, op.head_dim, op.max_context)]
+
+
+def _cluster_available() -> bool:
+    return (importlib.util.find_spec("cutlass") is not None
+            and importlib.util.find_spec("graphc.kernels.decode_attention_cluster") is not None)
+
+
+def cluster_supports(heads: int, kv_heads: int, head_dim: int, max_context: int) -> bool:
+    """The shapes kernels/decode_attention_cluster.check_shape accepts (mirrored without cutlass)."""
+    return (kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= 8
+            and head_dim == 128 and max_context % 64 == 0 and max_context > 0)
+
+
 def _tma_available() -> bool:
     return (importlib.util.find_spec("cutlass") is not None
             and importlib.util.find_spec("graphc.kernels.decode_attention_tma") is not None)
@@ -67,6 +96,13 @@ def _tma_available() -> bool:
 # 2651.6-2654.7 at 3; the 93-layer step 24745 against 24937-24980 at 2 rows. At 1 row Triton
 # stays ahead (2598.0-2602.9 against 2620.7-2625.8; 93 layers 24557-24618 against 24741-24747).
 TMA_MIN_BATCH = 2
+# Up to this captured batch size the cluster kernel is the default. Measured in the step, A/B in
+# one process against the Triton kernel at 1 row and the TMA kernel at 2-3
+# (bench/decode_attention_notes.md, session 23): the 8-layer step 2532.8-2536.1 us against
+# 2557.2-2558.3 at 1 row, 2572.5-2573.3 against 2584.4-2585.7 at 2, 2580.7-2581.6 against
+# 2587.2-2588.7 at 3; the 93-layer step 23906.5-23915.0 against 24101.9-24123.6 at 1 row but
+# 24303.5-24305.9 against 24223.5-24236.1 at 2 rows.
+CLUSTER_MAX_BATCH = 1
 
 
 def tma_supports(heads: int, kv_heads: int, head_dim: int, max_context: int) -> bool:
@@ -97,6 +133,10 @@ class DecodeAttentionOp(Op):
         # TMA producer warp + wgmma warpgroup (CuTe DSL); contiguous head-major cache.
         "tma": Implementation("tma", TMA_TRAITS, _launch_tma, available=_tma_available, arch="sm_90a",
                               variants=_tma_variants),
+        # K/V in registers loaded before the PDL wait, splits combined through distributed
+        # shared memory (CuTe DSL; few rows).
+        "cluster": Implementation("cluster", CLUSTER_TRAITS, _launch_cluster, available=_cluster_available,
+                                  arch="sm_90a", variants=_cluster_variants),
     }
 
     heads: int = 0
@@ -105,16 +145,22 @@ class DecodeAttentionOp(Op):
     max_context: int = 0
 
     def default_implementation(self, batch: int | None = None) -> str:
-        """The TMA kernel from TMA_MIN_BATCH rows (where the shape allows it and CuTe DSL is
-        installed), the Triton kernel below and when no batch size is known."""
-        tma = self.implementations["tma"]
-        if batch is not None and batch >= TMA_MIN_BATCH and tma.available() and self.unsupported("tma") is None:
-            return "tma"
+        """Where the shape allows it and CuTe DSL is installed: the cluster kernel up to
+        CLUSTER_MAX_BATCH rows, the TMA kernel from TMA_MIN_BATCH rows. Otherwise, and when no
+        batch size is known, the Triton kernel (or torch where Triton is missing)."""
+        if batch is not None:
+            preferred = "cluster" if batch <= CLUSTER_MAX_BATCH else "tma" if batch >= TMA_MIN_BATCH else None
+            if preferred and self.implementations[preferred].available() and self.unsupported(preferred) is None:
+                return preferred
         return super().default_implementation(batch)
 
     def unsupported(self, impl: str) -> str | None:
         if impl == "tma" and not tma_supports(self.heads, self.kv_heads, self.head_dim, self.max_context):
             return ("the TMA kernel takes head_dim 128 or 256, up to 32 query heads per KV head and "
+                    f"max_context a multiple of 64; found head_dim {self.head_dim}, "
+                    f"{self.heads} heads over {self.kv_heads} KV heads, max_context {self.max_context}")
+        if impl == "cluster" and not cluster_supports(self.heads, self.kv_heads, self.head_dim, self.max_context):
+            return ("the cluster kernel takes head_dim 128, up to 8 query heads per KV head and "
                     f"max_context a multiple of 64; found head_dim {self.head_dim}, "
                     f"{self.heads} heads over {self.kv_heads} KV heads, max_context {self.max_context}")
         if impl == "triton" and not triton_supports(self.head_dim):
