@@ -3,10 +3,15 @@
     python3 bench/decode_attention.py        # Kimi K3 attention: 64 heads, 8 KV heads, dim 128
     python3 bench/decode_attention.py --rows 64 --chunk 256,512 --warps 4,8 --no-fp32
     python3 bench/decode_attention.py --impl tma --rows 1,8,32,64 --chunk 128,256,512,1024 --stages 2,3
+    python3 bench/decode_attention.py --impl cluster,triton --rows 1,2 --chunk 128 --block-n 64 --stages 3 --no-fp32
 
 ``--impl`` picks the kernel: ``triton`` (kernels/decode_attention.py, tilings chunk x block-n x
-warps x stages x pv) and/or ``tma`` (kernels/decode_attention_tma.py, CuTe DSL, tilings chunk x
-stages; launched without a PDL predecessor here, so ``use_pdl`` changes nothing).
+warps x stages x pv), ``tma`` (kernels/decode_attention_tma.py, CuTe DSL, tilings chunk x
+stages) and/or ``cluster`` (kernels/decode_attention_cluster.py, CuTe DSL, one tiling: 128
+positions per CTA, 8 CTAs per cluster; the chunk column shows 128). The CuTe DSL kernels are
+launched without a PDL predecessor here, so ``use_pdl`` changes nothing, and the cluster
+kernel's cache loads before its wait overlap nothing: inside the step they overlap the qkv
+GEMM's tail (bench/attention_cluster_timeline.py).
 
 ``pv`` is the p @ V product (``--pv``): ``fp32`` exact FMAs, ``bf16`` tensor cores with p rounded
 to bf16, ``bf16x2`` tensor cores with p split into two bf16 terms (the default). Every
@@ -44,7 +49,7 @@ ap.add_argument("--layouts", default="head-major",
 ap.add_argument("--pad", type=_ints, default=[0],
                 help="extra positions allocated per head beyond max_context (strides that are not "
                      "powers of two), comma-separated")
-ap.add_argument("--impl", default="triton", help="kernels, comma-separated: triton, tma")
+ap.add_argument("--impl", default="triton", help="kernels, comma-separated: triton, tma, cluster")
 args = ap.parse_args()
 
 H, KV, HD, C = 64, 8, 128, 2048
@@ -60,6 +65,9 @@ if "triton" in IMPLS:
 if "tma" in IMPLS:
     from graphc.kernels.decode_attention_tma import decode_attention as decode_attention_tma
     CONFIGS += [("tma", chunk, 64, 5, stages, "bf16x2") for chunk, stages in itertools.product(args.chunk, args.stages)]
+if "cluster" in IMPLS:
+    from graphc.kernels import decode_attention_cluster
+    CONFIGS += [("cluster", decode_attention_cluster.CHUNK, 16, decode_attention_cluster.WARPS, 0, "bf16x2")]
 op = DecodeAttentionOp(name="attn", heads=H, kv_heads=KV, head_dim=HD, max_context=C)
 print(f"{'impl':>6} {'layout':>13} {'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>6} "
       f"{'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8} {'differ':>7}")
@@ -88,13 +96,16 @@ for layout, pad, T in itertools.product(args.layouts.split(","), args.pad, args.
     ref_out = torch.empty_like(out)
     op.reference({"qkv": qkv, "kv": ref_kv, "seq_lens": lens, "cache_slots": slots, "out": ref_out}, {})
     for impl, chunk, bn, warps, stages, pv in CONFIGS:
-        if impl == "tma" and (layout != "head-major" or pad):
-            continue                      # the TMA kernel takes graphc's contiguous cache only
+        if impl in ("tma", "cluster") and (layout != "head-major" or pad):
+            continue                      # the CuTe DSL kernels take graphc's contiguous cache only
 
         def attend(cache_, impl=impl, chunk=chunk, bn=bn, warps=warps, stages=stages, pv=pv):
             if impl == "tma":
                 decode_attention_tma(qkv, cache_, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD,
                                      chunk=chunk, stages=stages)
+            elif impl == "cluster":
+                decode_attention_cluster.decode_attention(qkv, cache_, lens, slots, out, heads=H, kv_heads=KV,
+                                                          head_dim=HD)
             else:
                 decode_attention(qkv, cache_, lens, slots, out, heads=H, kv_heads=KV, head_dim=HD,
                                  chunk=chunk, block_n=bn, num_warps=warps, num_stages=stages, pv=pv)
