@@ -189,10 +189,10 @@ def cmd_build(args) -> int:
          f"workspace {DEVICE_HEADROOM_BYTES / 1e9:.1f} GB)")
     for group, s in _groups(schedules):
         _say(f"  batch {', '.join(map(str, group))}: {s.describe()}")
-    missing = not_installed(graph)
+    missing = not_installed(graph, tuple(args.batch_sizes))
     if missing:
         _say("  not installed here: " + "; ".join(f"{kind} {'/'.join(names)}" for kind, names in missing.items())
-             + " (the schedules above use the next implementation; a GPU machine that has them may choose them)")
+             + " (the schedules above use the next implementation; a GPU machine that has them would choose them)")
     _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")
     for b in args.batch_sizes:
         _say(f"    batch {b:4d}: {step_floor_s(schedule, b, ctx) * 1e6:10.1f} us")

@@ -180,19 +180,24 @@ def verify(schedule: Schedule) -> list[Refusal]:
 _ARCH_WORDS = {"sm_90a": "sm_90a (H100/H200)", "sm_90": "sm_90 or later"}
 
 
-def not_installed(graph: nx.DiGraph) -> dict[str, list[str]]:
-    """Op kind -> its implementations that some op of ``graph`` could run but this machine
-    cannot load (Triton or CuTe DSL not installed), in the op's order of preference. A build
-    here schedules the next one instead; a machine that has them may choose them."""
+def not_installed(graph: nx.DiGraph, batches: tuple[int | None, ...] = (None,)) -> dict[str, list[str]]:
+    """Op kind -> its implementations that this machine cannot load (Triton or CuTe DSL not
+    installed) although some op of ``graph`` would get one of them at one of ``batches`` where
+    they are: a build here schedules a later one instead, a machine that has them would not."""
     missing: dict[str, list[str]] = {}
     unavailable: dict[tuple[str, str], bool] = {}        # available() once per (kind, name)
     for op in ops_in_order(graph):
-        for name, impl in op.implementations.items():
-            key = (op.kind, name)
-            if key not in unavailable:
-                unavailable[key] = not impl.available()
-            if unavailable[key] and op.unsupported(name) is None and name not in missing.get(op.kind, []):
-                missing.setdefault(op.kind, []).append(name)
+        for batch in batches:
+            for name in op.preference(batch):
+                if op.unsupported(name) is not None:
+                    continue
+                key = (op.kind, name)
+                if key not in unavailable:
+                    unavailable[key] = not op.implementations[name].available()
+                if not unavailable[key]:
+                    break                                # what this build schedules
+                if name not in missing.get(op.kind, []):
+                    missing.setdefault(op.kind, []).append(name)
     return missing
 
 

@@ -439,7 +439,8 @@ def test_compile_fails_when_a_kernel_did_not_reach_the_disk(tmp_path, monkeypatc
 
 def test_build_names_the_implementations_this_machine_cannot_load(tmp_path, monkeypatch, capsys):
     """A build on a machine without CuTe DSL and Triton plans the torch attention at one row; it
-    says so, since a GPU machine with them would run their kernels there instead."""
+    says so, since a GPU machine with them would run their kernels there instead. It names only
+    implementations some batch size would have chosen."""
     from graphc.ops.attention import DecodeAttentionOp
 
     triton, cluster = DecodeAttentionOp.implementations["triton"], DecodeAttentionOp.implementations["cluster"]
@@ -451,10 +452,21 @@ def test_build_names_the_implementations_this_machine_cannot_load(tmp_path, monk
     out = capsys.readouterr().out
     assert "decode_attention torch" in out
     line = [l for l in out.splitlines() if "not installed here:" in l]
-    assert len(line) == 1 and "decode_attention triton/cluster" in line[0], out
+    assert len(line) == 1 and "decode_attention cluster/triton" in line[0], out
     monkeypatch.setitem(DecodeAttentionOp.implementations, "triton",
                         dataclasses.replace(triton, available=lambda: True))
     assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1", "--no-reference"]) == 0
     out = capsys.readouterr().out
     assert "batch 1: " in out and "decode_attention triton" in out
-    assert not any("triton" in l for l in out.splitlines() if "not installed here:" in l), out
+    line = [l for l in out.splitlines() if "not installed here:" in l]
+    assert len(line) == 1 and "decode_attention cluster (" in line[0], out
+    # Where the cluster kernel loads, nothing else is preferred at one row: nothing to name,
+    # whether Triton is installed or not.
+    monkeypatch.setitem(DecodeAttentionOp.implementations, "cluster",
+                        dataclasses.replace(cluster, available=lambda: True))
+    for triton_here in (False, True):
+        monkeypatch.setitem(DecodeAttentionOp.implementations, "triton",
+                            dataclasses.replace(triton, available=lambda: triton_here))
+        assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1", "--no-reference"]) == 0
+        out = capsys.readouterr().out
+        assert "decode_attention cluster" in out and "not installed here" not in out, out

@@ -144,15 +144,16 @@ class DecodeAttentionOp(Op):
     head_dim: int = 0
     max_context: int = 0
 
-    def default_implementation(self, batch: int | None = None) -> str:
-        """Where the shape allows it and CuTe DSL is installed: the cluster kernel up to
-        CLUSTER_MAX_BATCH rows, the TMA kernel from TMA_MIN_BATCH rows. Otherwise, and when no
-        batch size is known, the Triton kernel (or torch where Triton is missing)."""
-        if batch is not None:
-            preferred = "cluster" if batch <= CLUSTER_MAX_BATCH else "tma" if batch >= TMA_MIN_BATCH else None
-            if preferred and self.implementations[preferred].available() and self.unsupported(preferred) is None:
-                return preferred
-        return super().default_implementation(batch)
+    def preference(self, batch: int | None = None) -> list[str]:
+        """A CuTe DSL kernel first (where the shape allows it and CuTe DSL is installed): the
+        cluster kernel up to CLUSTER_MAX_BATCH rows, the TMA kernel from TMA_MIN_BATCH rows.
+        Then, and alone when no batch size is known, the Triton kernel, then torch."""
+        portable = ["triton", "torch"]
+        if batch is None:
+            return portable
+        if batch <= CLUSTER_MAX_BATCH:
+            return ["cluster", *portable]
+        return (["tma"] if batch >= TMA_MIN_BATCH else []) + portable
 
     def unsupported(self, impl: str) -> str | None:
         if impl == "tma" and not tma_supports(self.heads, self.kv_heads, self.head_dim, self.max_context):

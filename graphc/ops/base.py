@@ -170,12 +170,17 @@ class Op:
         and never makes it by default."""
         return None
 
+    def preference(self, batch: int | None = None) -> list[str]:
+        """This op's implementations in order of preference at a captured ``batch`` size
+        (None: no batch size known), installed here or not: the order of ``implementations``.
+        Ops whose best implementation depends on the batch override it."""
+        return list(self.implementations)
+
     def default_implementation(self, batch: int | None = None) -> str:
-        """The implementation a captured ``batch`` size gets (None: no batch size known): the
-        first available one that runs this shape. Ops whose best implementation depends on the
-        batch override it."""
-        for name, impl in self.implementations.items():
-            if impl.available() and self.unsupported(name) is None:
+        """The implementation a captured ``batch`` size gets: the first of ``preference(batch)``
+        that is installed here and runs this shape."""
+        for name in self.preference(batch):
+            if self.implementations[name].available() and self.unsupported(name) is None:
                 return name
         raise RuntimeError(f"no implementation of {self.kind} is available")
 

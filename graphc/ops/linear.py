@@ -129,13 +129,12 @@ class LinearOp(Op):
         """Up to which captured batch size the decode GEMM is this op's default."""
         return DECODE_GEMM_CROSSOVER.get((self.k, self.n, self.epilogue), DECODE_GEMM_MAX_BATCH)
 
-    def default_implementation(self, batch: int | None = None) -> str:
-        """The decode GEMM at batch sizes where it was measured faster (and CuTe DSL is
+    def preference(self, batch: int | None = None) -> list[str]:
+        """The decode GEMM at batch sizes where it was measured faster (where CuTe DSL is
         installed), cuBLAS otherwise and when no batch size is known."""
-        cute = self.implementations["cute"]
-        if batch is not None and batch <= self.decode_gemm_max_batch() and cute.available():
-            return "cute"
-        return "cublas"
+        if batch is not None and batch <= self.decode_gemm_max_batch():
+            return ["cute", "cublas"]
+        return ["cublas"]
 
     def params(self):
         return {"k": self.k, "n": self.n, **({"epilogue": self.epilogue} if self.epilogue else {})}
