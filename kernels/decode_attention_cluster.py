@@ -89,8 +89,10 @@ RECV_O = SPLITS * 128    # floats a CTA receives: 8 splits x (16 dims x 8 heads)
 RECV_ML = SPLITS * 32    # 8 splits x 4 lanes x (2 maxima, 2 sums)
 SEND_BYTES = 4 * (128 + 16)   # what one split sends one CTA
 LOG2E = 1.4426950408889634
-# The moments a timeline build stamps per CTA (then its SM id): each after the data it names
-# has arrived in registers (the stamp takes it as an operand).
+# The moments a timeline build stamps per CTA (then its SM id). "received" follows the mbarrier
+# wait and "math done" the CTA barrier after the math, so they are what they say; "q loaded"
+# passes q to the timer's asm as an operand the asm does not use, which ptxas need not wait
+# for: read it as "q's loads issued".
 STAMPS = ("entry", "released", "q loaded", "math done", "peers ready", "pushes issued", "arrived",
           "received", "end")
 # Where the kernel triggers its dependents (``trigger_at``): right after its wait, once the
