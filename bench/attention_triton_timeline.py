@@ -1,5 +1,6 @@
 """Per-program timeline of the Triton decode attention at few rows (kernels/decode_attention.py,
-the default at one row): where the ~8 µs of a call go, against a 1 µs floor.
+the default at one row until session 23, the fallback there where CuTe DSL is missing): where
+the ~8 µs of a call go, against a 1 µs floor.
 
     source .gpu/setup.sh && python3 bench/attention_triton_timeline.py --rows 1 --replays 200
 

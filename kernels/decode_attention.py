@@ -4,9 +4,11 @@ A library-style kernel (no PDL wait), entered through full edges, that triggers 
 dependents at entry (``griddepcontrol.launch_dependents``, Triton's ``gdc_launch_dependents``):
 the next kernel, the o_proj decode GEMM, streams its weights while attention runs. (Entering
 attention through a PDL edge as well was measured slower: bench/decode_attention_notes.md
-v7.) It is Triton rather than
-CuTe DSL because attention is not where graphc's gains are; what matters here is that the
-cost follows the real context length instead of the cache's ``max_context``.
+v7.) It was graphc's first attention kernel, and the default at one row until session 23; it is
+now what runs where CuTe DSL is missing (or for shapes the CuTe DSL kernels refuse), while the
+step uses ``decode_attention_cluster`` at one row and ``decode_attention_tma`` from 2 rows
+(graphc.ops.attention). Like them, its cost follows the real context length, not the cache's
+``max_context``.
 
 One kernel, grid (rows, kv heads, splits): each program takes one KV head's query group over
 ``chunk`` cached positions with an online softmax and writes (max, sum, acc) partials; split 0
