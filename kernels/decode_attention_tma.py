@@ -36,8 +36,14 @@ Work and math
 
 PDL (DESIGN §4)
 ---------------
-* ``griddepcontrol.launch_dependents`` at entry (``TRIGGER = "early"``), like the Triton kernel:
-  the o_proj decode GEMM streams its weights while attention runs.
+* ``griddepcontrol.launch_dependents`` right after the wait, in both roles (``TRIGGER =
+  "late"``): the kernel after attention launches once qkv is complete, so the scheduler still
+  knows everything before attention complete when it launches, and the AttnRes after o_proj
+  keeps its PDL edge at block starts. Until session 23 this kernel triggered at entry, so that
+  the o_proj decode GEMM could launch during attention; but at 2+ rows o_proj's CTAs hardly fit
+  beside attention's, and the later trigger made the step faster: 8 layers at 8 rows
+  2602.3-2604.7 us against 2619.4-2624.0, 93 layers 24641.9-24643.2 against 24676.8-24676.9,
+  outputs bitwise equal (bench/decode_attention_notes.md, session 23).
 * Before the wait: only reads of data no kernel of this step writes before us: ``seq_lens`` and
   ``cache_slots`` (inputs) and the cached K/V at positions < L (``PROLOGUE_INPUTS``).
 * After the wait: q, the new k/v (qkv), the append, the workspace, counters and the output. The
@@ -68,7 +74,7 @@ from .compile_cache import CompileCache
 # PDL traits of this kernel, read by graphc.ops.attention (DESIGN §4).
 PROLOGUE_INPUTS = ("kv", "seq_lens", "cache_slots")
 WAITS = True
-TRIGGER = "early"
+TRIGGER = "late"
 
 TILE = 64                  # cache positions per pipeline stage (wgmma M of S^T, K of O^T)
 MMA_M = 64                 # wgmma rows: positions in S^T, head_dim rows in O^T
@@ -233,7 +239,6 @@ class DecodeAttentionKernel:
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout):
         cfg = self.cfg
-        cute.arch.griddepcontrol_launch_dependents()
         split, kvh, t = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -299,6 +304,7 @@ class DecodeAttentionKernel:
             self.load_tile(tma_kv, tKgKV, tKsK, tVsV, k_block + i, v_block + i, i, full + i)
 
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
         if holds_new:
             # Append the new k, v at position L, then order those generic-proxy stores before
             # the TMA (async proxy) load of the tile that holds them.
@@ -369,6 +375,7 @@ class DecodeAttentionKernel:
         # Q^T: the group's query heads as rows 0..G-1 of the B operand (zeros up to n_q). q
         # comes from the predecessor: after the wait, through L2.
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
         q_col = kvh * cfg.group * hd
         for r in cutlass.range_constexpr(cfg.n_q):
             for c in cutlass.range_constexpr(0, hd, CONSUMER_THREADS):

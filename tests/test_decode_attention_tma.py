@@ -97,8 +97,12 @@ def test_ptx_has_the_designed_instructions(rows, chunk):
     assert len(n8) == HD // 16 + 2 * 2 * 64 // 16
     assert not re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(?!8k)", ptx)
     assert "cp.async.bulk.tensor.2d" in ptx
-    # The trigger comes first; the append is fenced to the async proxy before its tile's TMA.
-    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
+    # Each role triggers right after its wait (TRIGGER = "late"); the append is fenced to the
+    # async proxy before its tile's TMA.
+    waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
+    triggers = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
+    assert len(waits) == len(triggers) == 2 and all(w < t for w, t in zip(waits, triggers))
+    assert tma.TRIGGER == "late"
     assert "fence.proxy.async.global" in ptx
     assert "ld.global.cg." in ptx         # the combine reads other CTAs' partials through L2
 

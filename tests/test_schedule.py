@@ -205,7 +205,7 @@ def test_tma_attention_enters_through_pdl(tiny):
     lets it overlap the qkv GEMM: a PDL edge in, and still a PDL edge out to o_proj."""
     s = build_schedule(tiny, {**GEMM, "decode_attention": "tma"})
     att, o_proj = s.kernel("L01.attn.attention"), s.kernel("L01.attn.o_proj")
-    assert (att.edge, att.traits.waits, att.traits.trigger) == ("pdl", True, "early")
+    assert (att.edge, att.traits.waits, att.traits.trigger) == ("pdl", True, "late")
     assert "kv" in att.traits.prologue and o_proj.edge == "pdl"
     assert verify(s) == []
 
@@ -234,20 +234,30 @@ def test_attention_default_follows_the_batch_size(tiny):
     assert large.impl == ("tma" if cute else portable)
 
 
-def test_cluster_attention_keeps_every_attn_res_pdl_edge(tiny):
-    """The cluster attention is entered through a PDL edge like the TMA one, but it triggers
-    after its wait: the kernels before it are then known complete when o_proj and the AttnRes
-    after it launch, so that AttnRes keeps its PDL edge at a block start (where it reads the
-    block the AttnRes before attention wrote), which the TMA kernel's early trigger costs."""
-    s = build_schedule(tiny, {**GEMM, "decode_attention": "cluster"})
+@pytest.mark.parametrize("attention", ["cluster", "tma"])
+def test_cuda_attention_keeps_every_attn_res_pdl_edge(tiny, monkeypatch, attention):
+    """Both CuTe DSL attentions are entered through a PDL edge and trigger after their wait:
+    the kernels before them are then known complete when o_proj and the AttnRes after it
+    launch, so that AttnRes keeps its PDL edge at a block start, where it reads the block the
+    AttnRes before attention wrote. The same kernel triggering at entry (as the TMA kernel did
+    until session 23) would cost that edge: the rule then cannot prove the block written."""
+    import dataclasses
+
+    from graphc.ops.attention import DecodeAttentionOp
+
+    s = build_schedule(tiny, {**GEMM, "decode_attention": attention})
     att = s.kernel("L01.attn.attention")
     assert (att.edge, att.traits.waits, att.traits.trigger) == ("pdl", True, "late")
     assert "kv" in att.traits.prologue and att.traits.bypasses_l1
     assert verify(s) == []
-    tma = build_schedule(tiny, {**GEMM, "decode_attention": "tma"})
+    impl = DecodeAttentionOp.implementations[attention]
+    monkeypatch.setitem(DecodeAttentionOp.implementations, attention,
+                        dataclasses.replace(impl, traits=dataclasses.replace(impl.traits, trigger="early")))
+    early = build_schedule(tiny, {**GEMM, "decode_attention": attention})
+    assert verify(early) == []
     block_start = "L02.attn_res.mlp"                    # block size 2: layer 2 starts a block
-    assert s.kernel(block_start).edge == "pdl" and tma.kernel(block_start).edge == "full"
-    assert sum(k.edge == "pdl" for k in s.kernels) == sum(k.edge == "pdl" for k in tma.kernels) + 2
+    assert s.kernel(block_start).edge == "pdl" and early.kernel(block_start).edge == "full"
+    assert sum(k.edge == "pdl" for k in s.kernels) == sum(k.edge == "pdl" for k in early.kernels) + 2
 
 
 @pytest.mark.parametrize("head_dim, default", [(96, "torch"), (8, "torch"), (64, "triton")])

@@ -21,17 +21,15 @@ from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits, write_output
 # The Triton kernel never waits (so it is entered through a full edge) but triggers its
 # dependents at entry: a decode GEMM after it streams weights during attention.
 TRITON_TRAITS = PdlTraits(waits=False, trigger="early")
-# The CuTe DSL kernel (kernels/decode_attention_tma.py; mirrored here without importing cutlass)
-# waits, so it may be entered through a PDL edge: before its wait it reads only the lengths,
-# the slots and the cached K/V (none written by this step before it), and it reads qkv through
-# L2. It triggers its dependents at entry too.
-TMA_TRAITS = PdlTraits(waits=True, trigger="early", prologue=("kv", "seq_lens", "cache_slots"),
+# The CuTe DSL kernels (kernels/decode_attention_tma.py, kernels/decode_attention_cluster.py;
+# mirrored here without importing cutlass) wait, so they may be entered through a PDL edge:
+# before the wait they read only the lengths, the slots and the cached K/V (none written by this
+# step before them), and they read qkv through L2. They trigger right after their wait: the
+# kernel after them then launches once qkv is complete, so the AttnRes after o_proj keeps its PDL
+# edge at block starts (an early trigger cost it that edge, and the step time; session 23).
+TMA_TRAITS = PdlTraits(waits=True, trigger="late", prologue=("kv", "seq_lens", "cache_slots"),
                        bypasses_l1=True)
-# The few-row CuTe DSL kernel (kernels/decode_attention_cluster.py) has the same prologue, but
-# triggers only after its wait: the kernel after it then launches once qkv is complete, so the
-# AttnRes after o_proj keeps its PDL edge at block starts.
-CLUSTER_TRAITS = PdlTraits(waits=True, trigger="late", prologue=("kv", "seq_lens", "cache_slots"),
-                           bypasses_l1=True)
+CLUSTER_TRAITS = TMA_TRAITS
 
 
 def _launch_reference(op, t, w, stream, use_pdl):
