@@ -116,38 +116,35 @@ def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tupl
     return jobs
 
 
-def attention_configs() -> list[tuple]:
-    """Keys of the TMA attention (default tiling) for every attention op of the shipped specs
-    it supports, at ATTENTION_BATCH_SIZES."""
-    from graphc.kernels.decode_attention_tma import AttentionConfig, default_chunk, default_stages
-    from graphc.ops.attention import DecodeAttentionOp, tma_supports
+def _attention_keys(module, supports, batch_sizes) -> list[tuple]:
+    """Compile-cache keys of an attention kernel module (its default tiling, ``compiled_variant``)
+    for every attention op of the shipped specs it ``supports``, at ``batch_sizes``."""
+    from graphc.ops.attention import DecodeAttentionOp
 
     keys = []
     for op in shipped_ops(DecodeAttentionOp):
-        if not tma_supports(**op.params()):
-            continue
-        for rows in ATTENTION_BATCH_SIZES:
-            key = AttentionConfig(rows, op.heads, op.kv_heads, op.head_dim, op.max_context,
-                                  default_chunk(rows), default_stages(rows)).key()
-            if key not in keys:
-                keys.append(key)
-    return keys
-
-
-def cluster_attention_configs() -> list[tuple]:
-    """Keys of the cluster attention for every attention op of the shipped specs it supports,
-    at CLUSTER_ATTENTION_BATCH_SIZES."""
-    from graphc.kernels.decode_attention_cluster import compiled_variant
-    from graphc.ops.attention import DecodeAttentionOp, cluster_supports
-
-    keys = []
-    for op in shipped_ops(DecodeAttentionOp):
-        if cluster_supports(**op.params()):
-            for rows in CLUSTER_ATTENTION_BATCH_SIZES:
-                key = compiled_variant(rows, **op.params())[1]
+        if supports(**op.params()):
+            for rows in batch_sizes:
+                key = module.compiled_variant(rows, **op.params())[1]
                 if key not in keys:
                     keys.append(key)
     return keys
+
+
+def attention_configs() -> list[tuple]:
+    """Keys of the TMA attention at ATTENTION_BATCH_SIZES."""
+    from graphc.kernels import decode_attention_tma
+    from graphc.ops.attention import tma_supports
+
+    return _attention_keys(decode_attention_tma, tma_supports, ATTENTION_BATCH_SIZES)
+
+
+def cluster_attention_configs() -> list[tuple]:
+    """Keys of the cluster attention at CLUSTER_ATTENTION_BATCH_SIZES."""
+    from graphc.kernels import decode_attention_cluster
+    from graphc.ops.attention import cluster_supports
+
+    return _attention_keys(decode_attention_cluster, cluster_supports, CLUSTER_ATTENTION_BATCH_SIZES)
 
 
 def attn_res_configs() -> list[tuple]:

@@ -43,46 +43,36 @@ def _launch_triton(op, t, w, stream, use_pdl):
                      heads=op.heads, kv_heads=op.kv_heads, head_dim=op.head_dim)
 
 
-def _launch_tma(op, t, w, stream, use_pdl):
-    from graphc.kernels.decode_attention_tma import decode_attention
+class _CuteAttention:
+    """Launch, compiled variants and availability of one CuTe DSL attention kernel module
+    (kernels/decode_attention_tma.py, kernels/decode_attention_cluster.py: the same entry
+    points). The module is imported only when used: it needs cutlass."""
 
-    decode_attention(t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"], heads=op.heads,
-                     kv_heads=op.kv_heads, head_dim=op.head_dim, stream=stream, use_pdl=use_pdl)
+    def __init__(self, module: str):
+        self.module = module
 
+    def launch(self, op, t, w, stream, use_pdl):
+        importlib.import_module(self.module).decode_attention(
+            t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"], heads=op.heads,
+            kv_heads=op.kv_heads, head_dim=op.head_dim, stream=stream, use_pdl=use_pdl)
 
-def _tma_variants(op, batch: int, sms: int) -> list[tuple[str, tuple]]:
-    from graphc.kernels.decode_attention_tma import compiled_variant
+    def variants(self, op, batch: int, sms: int) -> list[tuple[str, tuple]]:
+        kernel = importlib.import_module(self.module)
+        return [kernel.compiled_variant(batch, op.heads, op.kv_heads, op.head_dim, op.max_context)]
 
-    return [compiled_variant(batch, op.heads, op.kv_heads, op.head_dim, op.max_context)]
-
-
-def _launch_cluster(op, t, w, stream, use_pdl):
-    from graphc.kernels.decode_attention_cluster import decode_attention
-
-    decode_attention(t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"], heads=op.heads,
-                     kv_heads=op.kv_heads, head_dim=op.head_dim, stream=stream, use_pdl=use_pdl)
-
-
-def _cluster_variants(op, batch: int, sms: int) -> list[tuple[str, tuple]]:
-    from graphc.kernels.decode_attention_cluster import compiled_variant
-
-    return [compiled_variant(batch, op.heads, op.kv_heads, op.head_dim, op.max_context)]
+    def available(self) -> bool:
+        return (importlib.util.find_spec("cutlass") is not None
+                and importlib.util.find_spec(self.module) is not None)
 
 
-def _cluster_available() -> bool:
-    return (importlib.util.find_spec("cutlass") is not None
-            and importlib.util.find_spec("graphc.kernels.decode_attention_cluster") is not None)
+_TMA = _CuteAttention("graphc.kernels.decode_attention_tma")
+_CLUSTER = _CuteAttention("graphc.kernels.decode_attention_cluster")
 
 
 def cluster_supports(heads: int, kv_heads: int, head_dim: int, max_context: int) -> bool:
     """The shapes kernels/decode_attention_cluster.check_shape accepts (mirrored without cutlass)."""
     return (kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= 8
             and head_dim == 128 and max_context % 64 == 0 and max_context > 0)
-
-
-def _tma_available() -> bool:
-    return (importlib.util.find_spec("cutlass") is not None
-            and importlib.util.find_spec("graphc.kernels.decode_attention_tma") is not None)
 
 
 # From this captured batch size up the TMA kernel is the default. Measured in the 8-layer step,
@@ -129,12 +119,12 @@ class DecodeAttentionOp(Op):
                                  arch="sm_90"),
         "torch": Implementation("torch", LIBRARY_KERNEL, _launch_reference),
         # TMA producer warp + wgmma warpgroup (CuTe DSL); contiguous head-major cache.
-        "tma": Implementation("tma", TMA_TRAITS, _launch_tma, available=_tma_available, arch="sm_90a",
-                              variants=_tma_variants),
+        "tma": Implementation("tma", TMA_TRAITS, _TMA.launch, available=_TMA.available, arch="sm_90a",
+                              variants=_TMA.variants),
         # K/V in registers loaded before the PDL wait, splits combined through distributed
         # shared memory (CuTe DSL; few rows).
-        "cluster": Implementation("cluster", CLUSTER_TRAITS, _launch_cluster, available=_cluster_available,
-                                  arch="sm_90a", variants=_cluster_variants),
+        "cluster": Implementation("cluster", CLUSTER_TRAITS, _CLUSTER.launch, available=_CLUSTER.available,
+                                  arch="sm_90a", variants=_CLUSTER.variants),
     }
 
     heads: int = 0
