@@ -50,9 +50,12 @@ ap.add_argument("--pad", type=_ints, default=[0],
                 help="extra positions allocated per head beyond max_context (strides that are not "
                      "powers of two), comma-separated")
 ap.add_argument("--impl", default="triton", help="kernels, comma-separated: triton, tma, cluster")
+ap.add_argument("--max-context", type=_ints, default=[2048],
+                help="cache capacities per slot, comma-separated (the grids of the split kernels cover "
+                     "the capacity; every call reads a context of 1024)")
 args = ap.parse_args()
 
-H, KV, HD, C = 64, 8, 128, 2048
+H, KV, HD = 64, 8, 128
 L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size
 IMPLS = args.impl.split(",")
 CONFIGS = []
@@ -68,12 +71,11 @@ if "tma" in IMPLS:
 if "cluster" in IMPLS:
     from graphc.kernels import decode_attention_cluster
     CONFIGS += [("cluster", decode_attention_cluster.CHUNK, 16, decode_attention_cluster.WARPS, 0, "bf16x2")]
-op = DecodeAttentionOp(name="attn", heads=H, kv_heads=KV, head_dim=HD, max_context=C)
-print(f"{'impl':>6} {'layout':>13} {'T':>4} {'ctx':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>6} "
+print(f"{'impl':>6} {'layout':>13} {'T':>4} {'ctx':>5} {'max':>5} {'chunk':>6} {'bn':>4} {'warps':>5} {'stages':>6} {'pv':>6} "
       f"{'us':>8} {'floor us':>9} {'ratio':>6} {'err':>8} {'differ':>7}")
 
 
-def cache(T: int, layout: str, pad: int) -> torch.Tensor:
+def cache(T: int, layout: str, pad: int, C: int) -> torch.Tensor:
     """A random [slots, 2, KV, C, HD] cache stored head-major, or position-major (a view), with
     ``pad`` unused positions after each head's (or slot's) last."""
     if layout == "head-major":
@@ -81,13 +83,14 @@ def cache(T: int, layout: str, pad: int) -> torch.Tensor:
     return torch.randn(T + 1, C + pad, 2, KV, HD, device="cuda").to(torch.bfloat16)[:, :C].permute(0, 2, 3, 1, 4)
 
 
-for layout, pad, T in itertools.product(args.layouts.split(","), args.pad, args.rows):
+for layout, pad, C, T in itertools.product(args.layouts.split(","), args.pad, args.max_context, args.rows):
     ctx = 1024
+    op = DecodeAttentionOp(name="attn", heads=H, kv_heads=KV, head_dim=HD, max_context=C)
     qkv = torch.randn(T, (H + 2 * KV) * HD, device="cuda").to(torch.bfloat16)
     # Enough cache copies that the K/V a call reads (T x 4.2 MB) are out of L2 again by the
     # time the same copy comes round: two copies of one row's 4.2 MB would both stay in L2.
     read = T * ctx * 2 * KV * HD * 2
-    kvs = [cache(T, layout, pad) for _ in range(max(2, math.ceil(3 * L2_BYTES / read)))]
+    kvs = [cache(T, layout, pad, C) for _ in range(max(2, math.ceil(3 * L2_BYTES / read)))]
     lens = torch.full((T,), ctx - 1, device="cuda", dtype=torch.int32)
     slots = torch.arange(T, device="cuda", dtype=torch.int32)
     out = torch.empty(T, H * HD, device="cuda", dtype=torch.bfloat16)
@@ -122,6 +125,6 @@ for layout, pad, T in itertools.product(args.layouts.split(","), args.pad, args.
             for _ in range(5):
                 run()
         t = time_replays(g.replay, 3, 20) / (5 * len(kvs))
-        print(f"{impl:>6} {layout + (f'+{pad}' if pad else ''):>13} {T:4d} {ctx:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} "
+        print(f"{impl:>6} {layout + (f'+{pad}' if pad else ''):>13} {T:4d} {ctx:5d} {C:5d} {chunk:6d} {bn:4d} {warps:5d} {stages:6d} "
               f"{pv:>6} {t * 1e6:8.1f} {floor * 1e6:9.1f} {t / floor:6.2f} {err:8.1e} {differ:7.1%}",
               flush=True)
