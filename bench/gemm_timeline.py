@@ -46,14 +46,15 @@ PATCHES = [
      f"cute.make_layout(2 * cfg.tiles + {WORDS} * cfg.ctas),"),
     ("counters = torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device)",
      f"counters = torch.zeros(2 * cfg.tiles + {WORDS} * cfg.ctas, dtype=torch.int32, device=device)"),
-    ("        cute.arch.griddepcontrol_launch_dependents()\n",
-     f"        cute.arch.griddepcontrol_launch_dependents()\n        t_entry = {_T}\n"),
-    ("            cute.arch.griddepcontrol_wait()\n            self.consumer(tiled_mma",
+    ("            cute.arch.griddepcontrol_launch_dependents()\n\n        tidx, _, _ = cute.arch.thread_idx()\n",
+     "            cute.arch.griddepcontrol_launch_dependents()\n"
+     f"        t_entry = {_T}\n\n        tidx, _, _ = cute.arch.thread_idx()\n"),
+    ("            cute.arch.griddepcontrol_wait()\n            if const_expr(cfg.trigger_at == 1):",
      "            cute.arch.griddepcontrol_wait()\n            if tidx == 0:\n"
      f"                {_AT.format(0)} = t_entry\n"
      f"                {_AT.format(1)} = {_T}\n"
      f"                {_AT.format(8)} = cute.arch.smid()\n"
-     "            self.consumer(tiled_mma"),
+     "            if const_expr(cfg.trigger_at == 1):"),
     ("            warpgroup.wait_group(0)\n",
      "            warpgroup.wait_group(0)\n            if tidx == 0:\n"
      f"                {_AT.format(2)} = {_T}\n"),

@@ -64,7 +64,11 @@ PDL (DESIGN §4)
   once every CTA has executed it, i.e. once the whole grid (one wave, ctas <= SMs) is resident,
   so a dependent can never take an SM from one of our CTAs; it then waits for our completion
   in its own ``griddepcontrol.wait``, and the next kernel (AttnRes, whose pre-phase reads only
-  data complete at launch) overlaps our tail instead of starting after it.
+  data complete at launch) overlaps our tail instead of starting after it. The ``trigger_at``
+  knob moves the trigger later (after the wait, after the CTA's last k-block, or to exit) for
+  measurement: in the step each later point was slower or tied at 1-64 rows, since a later
+  trigger also delays the kernel after next, whose weight prologue then overlaps less
+  (bench/gemm_notes.md §32).
 * Before the wait the producer issues the W loads of the first ``stages`` pipeline stages
   (``PROLOGUE_INPUTS = ("weight",)``), and with the ``l2_prefetch`` knob (0 by default) an L2
   prefetch of the next iterations' W; the stage barrier already expects the x bytes too, so
@@ -107,7 +111,13 @@ EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
 TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
-                "publish_first", "cluster", "x_trim", "pre_wait_stages")
+                "publish_first", "cluster", "x_trim", "pre_wait_stages", "trigger_at")
+# Where a CTA executes ``launch_dependents`` (the ``trigger_at`` knob; TRIGGER stays "early",
+# which is conservative for every one of them): at entry (the default), right after its PDL
+# wait, once its consumers have streamed their last k-block (before the last tile's split
+# reduction and epilogue), or never (the CTA counts as triggered when it exits). Entry was
+# measured fastest in the chain and the step (bench/gemm_notes.md §32).
+TRIGGER_POINTS = ("entry", "wait", "streamed", "exit")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
 K_ALIGN = 64               # K granularity: one 128-byte swizzle atom of bf16
@@ -143,7 +153,8 @@ class GemmConfig:
                  block_k: int | None = None, row_wgs: int | None = None, l2_prefetch: int | None = None,
                  stages: int | None = None, halves: int | None = None, y_staging: int | None = None,
                  col_wgs: int | None = None, publish_first: int | None = None, cluster: int | None = None,
-                 x_trim: int | None = None, pre_wait_stages: int | None = None):
+                 x_trim: int | None = None, pre_wait_stages: int | None = None,
+                 trigger_at: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -249,6 +260,12 @@ class GemmConfig:
         if not 0 <= pre_wait_stages <= self.stages:
             raise ValueError(f"pre_wait_stages={pre_wait_stages} unsupported: 0..{self.stages} (the stages)")
         self.pre_wait_stages = int(pre_wait_stages)
+        if trigger_at is None:
+            trigger_at = 0
+        if not 0 <= trigger_at < len(TRIGGER_POINTS):
+            raise ValueError(f"trigger_at={trigger_at} unsupported: 0..{len(TRIGGER_POINTS) - 1} "
+                             f"({', '.join(TRIGGER_POINTS)})")
+        self.trigger_at = int(trigger_at)
         # Accumulator floats per thread per half (64 x mma_n over 128 threads).
         self.frag = HALF_ROWS * self.mma_n // 128
         # Workspace: two partial slots per CTA (its first and last segment can be partial).
@@ -398,7 +415,8 @@ class GemmConfig:
                 f"l2_prefetch={self.l2_prefetch}, y_staging={self.y_staging}, "
                 f"publish_first={self.publish_first}, cluster={self.cluster}"
                 + (", x_trim=1" if self.x_trim else "")
-                + (f", pre_wait_stages={self.pre_wait_stages}" if self.pre_wait_stages < self.stages else "") + ")")
+                + (f", pre_wait_stages={self.pre_wait_stages}" if self.pre_wait_stages < self.stages else "")
+                + (f", trigger_at={TRIGGER_POINTS[self.trigger_at]}" if self.trigger_at else "") + ")")
 
 
 def check_shape(m: int, k: int, n: int, epilogue: str | None = None) -> None:
@@ -543,7 +561,8 @@ class DecodeGemmKernel:
     ):
         cfg = self.cfg
         # Trigger early: the grid is a single wave, so dependents cannot displace our CTAs.
-        cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(cfg.trigger_at == 0):
+            cute.arch.griddepcontrol_launch_dependents()
 
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -599,6 +618,8 @@ class DecodeGemmKernel:
         else:
             # Consumers touch global memory (workspace, counters, y) only after the wait.
             cute.arch.griddepcontrol_wait()
+            if const_expr(cfg.trigger_at == 1):
+                cute.arch.griddepcontrol_launch_dependents()
             self.consumer(tiled_mma, sW, sX, full, empty, flag, staged, stage_area, stage_bufs, mY, mWs,
                           mCount, cta, tidx, warp, lane, g_begin, g_end)
         peers_done(cfg.cluster)
@@ -774,6 +795,9 @@ class DecodeGemmKernel:
                 if kb > kb_lo and lane == 0:
                     release_stage(empty + (i - 1) % cfg.stages, cfg.cluster)
             warpgroup.wait_group(0)
+            if const_expr(cfg.trigger_at == 2):
+                if tile == t_last:
+                    cute.arch.griddepcontrol_launch_dependents()   # the CTA's first such call counts
             # The stage of the tile's last k-block: with y_staging the epilogue writes y there,
             # so it is released only after the epilogue.
             s_last = (t_base + kb_hi - 1 - g_begin) % cfg.stages

@@ -64,6 +64,10 @@ TUNING_CASES = [
     # Only some of the prologue's stages load W before the PDL wait.
     (8, 8192, 7168, None, dict(pre_wait_stages=3)),
     (64, 7168, 36864, "silu_mul", dict(pre_wait_stages=0)),
+    # The trigger moved later (the dependents launch later; the result is the same).
+    (8, 8192, 7168, None, dict(trigger_at=1)),
+    (64, 7168, 36864, "silu_mul", dict(trigger_at=2)),
+    (3, 18432, 7168, None, dict(trigger_at=3)),
     # Whole-K tiles (kernels/gemm_wide.py), the default for plain shapes at 128 and 231-256
     # rows when one wave of tiles fills the SMs: 64-row batch tiles, several tiles per CTA
     # (a persistent loop), a padded batch tile, forced at few rows, a shallow pipeline, pairs

@@ -174,6 +174,11 @@ def test_tuning_knobs_round_trip_and_bounds():
     assert GemmConfig(8, 7168, 7168).pre_wait_stages == GemmConfig(8, 7168, 7168).stages
     with pytest.raises(ValueError, match="pre_wait_stages=12 unsupported: 0..11"):
         GemmConfig(8, 7168, 7168, pre_wait_stages=12)
+    late = GemmConfig(8, 7168, 7168, trigger_at=2)
+    assert GemmConfig.from_key(late.key()).trigger_at == 2 and "trigger_at=streamed" in repr(late)
+    assert GemmConfig(8, 7168, 7168).trigger_at == 0 and "trigger_at" not in repr(GemmConfig(8, 7168, 7168))
+    with pytest.raises(ValueError, match=r"trigger_at=4 unsupported: 0..3 \(entry, wait, streamed, exit\)"):
+        GemmConfig(8, 7168, 7168, trigger_at=4)
 
 
 def test_split_reduction_paths():
@@ -394,7 +399,8 @@ def _sync_skeleton(ptx: str) -> list[str]:
 
 def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     assert ".target sm_90a" in ptx
-    assert "griddepcontrol.launch_dependents" in ptx
+    # One trigger, where trigger_at puts it; none where the CTA triggers by exiting.
+    assert ptx.count("griddepcontrol.launch_dependents") == (cfg.trigger_at != 3)
     assert "griddepcontrol.wait" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier::complete_tx::bytes" in ptx
     # Both tensor maps (W and x) are rank 2, so every TMA load must be .2d with two
@@ -418,12 +424,19 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
         assert "ld.acquire.gpu" in ptx
     assert re.search(r"ld\.global\.cg\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx)
     assert not re.search(r"ld\.global\.cg\.(f32|b32)", ptx), "scalar partial loads"
-    # PDL: the trigger comes first; before the first wait the only global traffic is the
-    # weight TMA (with the evict-first hint): no x, no y, no workspace, no counters.
-    trigger = ptx.index("griddepcontrol.launch_dependents")
+    # PDL: the trigger comes first (by default); before the first wait the only global traffic
+    # is the weight TMA (with the evict-first hint): no x, no y, no workspace, no counters.
     wait = ptx.index("griddepcontrol.wait")
     first_tma = ptx.index("cp.async.bulk.tensor")
-    assert trigger < first_tma < wait if cfg.pre_wait_stages else wait < first_tma
+    assert first_tma < wait if cfg.pre_wait_stages else wait < first_tma
+    if cfg.trigger_at == 0:
+        assert ptx.index("griddepcontrol.launch_dependents") < first_tma
+    elif cfg.trigger_at in (1, 2):
+        # After the consumers' wait; "streamed": also after the main loop's last wgmma wait.
+        trigger = ptx.index("griddepcontrol.launch_dependents")
+        assert trigger > wait
+        if cfg.trigger_at == 2:
+            assert trigger > re.search(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx).start()
     prologue = ptx[:wait]
     # Summed partials leave L2 without a write-back (discard_partials), after the wait.
     assert "discard.global.L2" in ptx[wait:] and "discard." not in prologue
@@ -471,6 +484,9 @@ def test_ptx_other_shapes(m, k, n, epilogue):
     (8, 7168, 10240, None, dict(l2_prefetch=16)),
     (8, 7168, 10240, None, dict(pre_wait_stages=4)),   # the other stages' W after the wait
     (8, 7168, 10240, None, dict(pre_wait_stages=0)),   # no weight traffic before it
+    (8, 8192, 7168, None, dict(trigger_at=1)),         # the trigger after the wait
+    (64, 7168, 36864, "silu_mul", dict(trigger_at=2)),  # ... after the last k-block
+    (1, 18432, 7168, None, dict(trigger_at=3)),        # ... at exit (none in the code)
 ])
 def test_ptx_tuning_variants(m, k, n, epilogue, tuning):
     cfg = GemmConfig(m, k, n, epilogue, **tuning)
