@@ -116,7 +116,8 @@ TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_stag
 # which is conservative for every one of them): at entry (the default), right after its PDL
 # wait, once its consumers have streamed their last k-block (before the last tile's split
 # reduction and epilogue), or never (the CTA counts as triggered when it exits). Entry was
-# measured fastest in the chain and the step (bench/gemm_notes.md §32).
+# measured fastest or tied in the step at 1-64 rows (bench/gemm_notes.md §32; in the AttnRes
+# chain alone the trigger after the last k-block won 0.4 us per link at M = 8 only).
 TRIGGER_POINTS = ("entry", "wait", "streamed", "exit")
 MAX_M = 256
 DEFAULT_SMS = 132          # H100 / H200 SXM; compile_linear's default without a GPU
