@@ -50,7 +50,7 @@ def main() -> None:
     spec = load_spec(args.spec)
     weights = Weights.random(weight_shapes(build_graph(spec)), seed=0, device="cuda")
     role_of_weight = {t.data_ptr(): role(name.rsplit(".", 1)[0]) for name, t in weights.tensors.items()}
-    _, knobs, roles, _ = parse_variant(args.variant) if args.variant else ("", {}, None, {})
+    _, knobs, roles, _, _ = parse_variant(args.variant) if args.variant else ("", {}, None, {}, {})
     impls = {"decode_attention": "cluster"}
 
     buffers: dict[int, torch.Tensor] = {}        # per attention call (its cache), stamps

@@ -17,7 +17,8 @@ copy of the strided gate). Both ratios to cuBLAS are printed: PDL chaining hides
 rows (bench/gemm_notes.md §14).
 The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the H200's
 4.3 TB/s (graphc/floor.py; this board's device-to-device copy and read rate, graphc/bench.py,
-are reported beside it). ``--power`` samples the board's power and SM clock while ours and cuBLAS run.
+are reported beside it). ``--power`` samples the board's power and SM clock while ours, cuBLAS and each
+variant run.
 ``variants`` times the legal alternatives to the default tuning (``bk``: K per stage 64/128;
 ``pf``: W iterations prefetched into L2 before the PDL wait), each checked against the
 reference first; they decide
@@ -51,7 +52,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from graphc.bench import copy_bytes_per_s, read_bytes_per_s  # noqa: E402
 from graphc.floor import H200_HBM_BYTES_PER_S  # noqa: E402
-from graphc.kernels import gemm  # noqa: E402
+from graphc.kernels import gemm, weight_blocks  # noqa: E402
 from graphc.power import measure_power, nvidia_smi_id  # noqa: E402
 
 BF16_FLOPS = 790e12          # measured dense bf16 matrix rate on H200 (KINDS.md)
@@ -187,11 +188,22 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2:]
     err = ((outs[0].float() - ref).norm() / ref.norm()).item()
 
+    # A variant with w_blocked reads W's blocks (kernels/weight_blocks.py): copies of its own,
+    # passed as 4-D weights (the shape is what tells linear).
+    blocked = args.variants and any(t.get("w_blocked") for _, t in variants(m, k, n, epilogue, args.tunings))
+    ws_blocked = [weight_blocks.to_blocks(w) for w in ws] if blocked else None
+
+    def weights_and_knobs(tuning):
+        knobs = {knob: v for knob, v in tuning.items() if knob != "w_blocked"}
+        return (ws_blocked if tuning.get("w_blocked") else ws), knobs
+
     def ours(use_pdl, tuning):
+        w_in, knobs = weights_and_knobs(tuning)
+
         def run():
             for i in range(chain):
                 j = i % copies
-                gemm.linear(xs[j], ws[j], outs[j], epilogue=epilogue, use_pdl=use_pdl, **tuning)
+                gemm.linear(xs[j], w_in[j], outs[j], epilogue=epilogue, use_pdl=use_pdl, **knobs)
         return run
 
     def cublas(with_act):
@@ -215,7 +227,8 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
     if args.variants:
         for label, tuning in variants(m, k, n, epilogue, args.tunings):
             var_out = torch.empty_like(outs[0])
-            gemm.linear(xs[0], ws[0], var_out, epilogue=epilogue, use_pdl=False, **tuning)
+            w_in, knobs = weights_and_knobs(tuning)
+            gemm.linear(xs[0], w_in[0], var_out, epilogue=epilogue, use_pdl=False, **knobs)
             checked[label] = (tuning, ((var_out.float() - ref).norm() / ref.norm()).item())
             fns[f"variant {label}"] = ours(True, tuning)
     if epilogue == "silu_mul":
@@ -240,7 +253,7 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         # The board while each runs back to back: at 32-64 rows a GEMM can draw the 700 W
         # limit and be clocked down (bench/gemm_notes.md §17), which no tiling undoes.
         row["power"] = {}
-        for label in ("ours_pdl_s", "cublas_s"):
+        for label in ("ours_pdl_s", "cublas_s", *(f"variant {v}" for v in checked)):
             summary = measure_power(graphs[label].replay, nvidia_smi_id(torch.device("cuda")))
             row["power"][label] = summary.as_dict() if summary else None
     row["config"] = repr(gemm.plan(m, k, n, epilogue, torch.cuda.get_device_properties(0).multi_processor_count))
@@ -262,7 +275,7 @@ def main() -> None:
     ap.add_argument("--only", help="shape names to run, comma-separated (default: all of --shapes)")
     ap.add_argument("--power", action="store_true",
                     help="also sample board power and SM clock for 1.5 s of back-to-back replays of "
-                         "ours and cuBLAS per row (graphc/power.py)")
+                         "ours, cuBLAS and each variant per row (graphc/power.py)")
     ap.add_argument("--tunings", type=parse_tunings, default=None,
                     help='time these alternatives instead of the default variants, e.g. '
                          '"ctas=112;ctas=112,l2_prefetch=0"')

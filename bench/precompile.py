@@ -74,7 +74,8 @@ def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tupl
     ``lean``: only the GPU tests' cases, the spec shapes at the step's batch sizes (up to 64
     rows) and bench/gemm.py's rows with their default tuning (no knob variants, no chain): what
     a GPU session needs for the tests, `graphc bench` and `bench/gemm.py --no-variants`, small
-    enough to travel with the GPU bundle."""
+    enough to travel with the GPU bundle; plus, lean or not, ``extra_tunings`` at
+    ``extra_ms`` on bench/gemm.py's rows (its ``--tunings`` / ``--m``)."""
     import gemm_shapes as t
     from gemm_shapes import SPEC_SHAPES
 
@@ -95,9 +96,9 @@ def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tupl
                     wanted.append((m, k, n, e, tuning))
     for k, n, e in sorted(set(SPEC_SHAPES) | spec_linear_shapes(), key=str):
         for m in STEP_BATCH_SIZES + ((24, 32, 64) if lean else ()):
-            wanted.append((m, k, n, e, {}))
-    if lean:
-        extra_ms, extra_tunings = (), ()
+            # Row-major weights, and the 64 x 64 blocks a build stores where only the
+            # stream-K kernel reads them (graphc/plan.py blocked_weights).
+            wanted += [(m, k, n, e, {}), (m, k, n, e, {"w_blocked": 1})]
     for _, k, n, e in BENCH_SHAPES:                  # bench/gemm.py --m ... --tunings: each row
         for m in extra_ms:                           # times the default and the given tunings
             wanted += [(m, k, n, e, {})] + [(m, k, n, e, tuning) for _, tuning in extra_tunings]

@@ -15,8 +15,11 @@ shipped defaults ('shipped'). ``attention.KNOB`` sets a tiling argument of the T
 default) for
 every attention call it makes, ``cluster.KNOB`` one of the cluster attention
 (kernels/decode_attention_cluster.py: trigger_at). ``impl.KIND=NAME`` builds the variant with implementation NAME
-for the op kind KIND (``graphc.build``'s ``implementations``). All variants share one set of weights and are captured once
-each; every round replays each variant in turn (``graphc.bench.interleaved_rounds``: the
+for the op kind KIND (``graphc.build``'s ``implementations``); ``build.block_weights=0`` builds it with
+every weight row-major (``graphc.build``'s ``block_weights``; the decode GEMM reads the weights it alone
+reads in 64 x 64 blocks by default). Variants with only knobs share the shipped step's weights; one
+with ``impl.`` or ``build.`` settings, which may store them in another order, gets its own copy (the
+same values: the same seed). Each variant is captured once; every round replays each variant in turn (``graphc.bench.interleaved_rounds``: the
 median of 100 replays per variant and round), so a board that slows down or caps its power hits every variant alike.
 
 Prints per batch size each variant's median step time of every round, its best round against
@@ -39,32 +42,39 @@ IMPL = "impl."
 ATTENTION_KNOBS = ("chunk", "block_n", "num_warps", "num_stages", "combine_splits")   # kernels/decode_attention.py
 CLUSTER = "cluster."
 CLUSTER_KNOBS = ("trigger_at",)     # kernels/decode_attention_cluster.py
+BUILD = "build."
+BUILD_OPTIONS = ("block_weights",)  # graphc.build's keyword arguments a variant may set
 
 
-def parse_variant(text: str) -> tuple[str, dict, set | None, dict]:
+def parse_variant(text: str) -> tuple[str, dict, set | None, dict, dict]:
     """``name:knob=v,knob=v[@role,role]`` -> (name, knobs, roles or None for every GEMM role,
-    implementations by op kind)."""
+    implementations by op kind, build options)."""
     from graphc.kernels.gemm import LINEAR_KNOBS
 
-    known = (*LINEAR_KNOBS, *(ATTENTION + k for k in ATTENTION_KNOBS), *(CLUSTER + k for k in CLUSTER_KNOBS))
+    # (w_blocked follows from how the build stores the weights: build.block_weights.)
+    known = (*(k for k in LINEAR_KNOBS if k != "w_blocked"), *(ATTENTION + k for k in ATTENTION_KNOBS),
+             *(CLUSTER + k for k in CLUSTER_KNOBS), *(BUILD + k for k in BUILD_OPTIONS))
 
     name, sep, rest = text.partition(":")
     if not sep or not name or name == SHIPPED:
         raise SystemExit(f"--variant {text!r}: expected NAME:KNOB=V[,KNOB=V][@ROLE,ROLE] "
                          f"(NAME not {SHIPPED!r})")
     knob_text, _, role_text = rest.partition("@")
-    knobs, implementations = {}, {}
+    knobs, implementations, options = {}, {}, {}
     for item in filter(None, knob_text.split(",")):
         knob, eq, value = item.partition("=")
         if eq and knob.startswith(IMPL) and value:
             implementations[knob[len(IMPL):]] = value
             continue
-        if not eq or knob not in known:
+        if not eq or knob not in known or not value.isdigit():
             raise SystemExit(f"--variant {text!r}: {item!r} is not KNOB=V with KNOB one of {', '.join(known)} "
-                             f"(or {IMPL}KIND=NAME)")
-        knobs[knob] = int(value)
+                             f"and V an integer (or {IMPL}KIND=NAME)")
+        if knob.startswith(BUILD):
+            options[knob[len(BUILD):]] = bool(int(value))
+        else:
+            knobs[knob] = int(value)
     roles = set(filter(None, role_text.split(","))) or None
-    return name, knobs, roles, implementations
+    return name, knobs, roles, implementations, options
 
 
 @contextlib.contextmanager
@@ -133,10 +143,11 @@ def main(argv=None) -> int:
     weights = Weights.random(shapes, seed=0, device="cuda")
     role_of_weight = {t.data_ptr(): role(name.rsplit(".", 1)[0]) for name, t in weights.tensors.items()}
     steps = {SHIPPED: build(spec, batch_sizes, weights=weights, progress=None)}
-    for name, knobs, roles, implementations in variants:
+    for name, knobs, roles, implementations, options in variants:
+        own = Weights.random(shapes, seed=0, device="cuda") if implementations or options else weights
         with step_knobs(knobs, roles, role_of_weight):
-            steps[name] = build(spec, batch_sizes, weights=weights, progress=None,
-                                implementations=implementations or None)
+            steps[name] = build(spec, batch_sizes, weights=own, progress=None,
+                                implementations=implementations or None, **options)
 
     floor_bw = device_floor_bandwidth()["hbm_bytes_per_s"]
     print(f"# {torch.cuda.get_device_name()}: {args.spec}, {args.rounds} rounds of the median of "

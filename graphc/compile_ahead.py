@@ -43,16 +43,23 @@ JOBS_ENV = "GRAPHC_COMPILE_JOBS"
 MAX_DEFAULT_JOBS = 8                   # each worker holds the DSL and MLIR: ~0.5-1 GB of memory
 
 
-def schedule_variants(schedules: Mapping, sms: int) -> list[Variant]:
+def schedule_variants(schedules: Mapping, sms: int, blocked: Iterable[str] | None = None) -> list[Variant]:
     """Every kernel variant the warm-up of these schedules (batch size -> Schedule) loads, each
     once, in the warm-up's order (largest batch first). ``sms``: the GPU's SM count, which the
-    decode GEMM's partition depends on."""
+    decode GEMM's partition depends on; ``blocked``: the weights stored in 64 x 64 blocks
+    (default: those a build of these schedules that creates its weights stores so,
+    ``plan.blocked_weights``), whose readers load a kernel compiled for that order."""
+    from .plan import blocked_weights
+
+    blocked = set(blocked_weights(schedules, sms) if blocked is None else blocked)
     found: dict[Variant, None] = {}
     for batch in sorted(schedules, reverse=True):
         for k in schedules[batch].kernels:
             impl = k.op.implementations[k.impl]
             if impl.variants is not None:
-                found.update(dict.fromkeys(impl.variants(k.op, batch, sms)))
+                names = [name for name, _ in k.op.weight_shapes().values()]
+                in_blocks = bool(names) and all(name in blocked for name in names)
+                found.update(dict.fromkeys(impl.variants(k.op, batch, sms, in_blocks)))
     return list(found)
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
 from .errors import GraphcError
 from .graph import weight_bytes, weight_shapes
+from .kernels import weight_blocks
 from .ops.base import DTYPES, Buffer
 from .schedule import Schedule
 from .weights import Weights
@@ -41,7 +43,7 @@ class Plan:
         self.weights = weights
         expected = weight_shapes(schedule.graph)
         for name, shape in expected.items():
-            if name not in weights.tensors or tuple(weights[name].shape) != tuple(shape):
+            if name not in weights.tensors or weights.shape(name) != tuple(shape):
                 raise GraphcError(f"weight {name}: expected shape {list(shape)}")
         self.buffers: dict[str, Buffer] = schedule.graph.graph["buffers"]
         self.storage = self._allocate()
@@ -110,6 +112,48 @@ class Plan:
 
     def output(self, batch: int) -> torch.Tensor:
         return self.view(self.schedule.graph.graph["outputs"][0], batch)
+
+
+def weight_readers(schedules: Mapping[int, Schedule]) -> dict[str, tuple[tuple, list]]:
+    """Weight name -> (its shape, [(batch size, kernel) of every kernel that reads it]), over
+    the schedules of one build (batch size -> Schedule)."""
+    readers: dict[str, tuple[tuple, list]] = {}
+    for batch, schedule in schedules.items():
+        for k in schedule.kernels:
+            for name, shape in k.op.weight_shapes().values():
+                readers.setdefault(name, (tuple(shape), []))[1].append((batch, k))
+    return readers
+
+
+def _reads_blocks(k, batch: int, sms: int) -> bool:
+    reads = k.op.implementations[k.impl].reads_blocks
+    return reads is not None and reads(k.op, batch, sms)
+
+
+def blocked_weights(schedules: Mapping[int, Schedule], sms: int) -> set[str]:
+    """The weights a build of these schedules on a GPU of ``sms`` SMs stores in 64 x 64 blocks
+    (kernels/weight_blocks.py): those whose every reader, at every captured batch size, reads
+    blocks (the decode GEMM's stream-K kernel, 2-7% faster from them; bench/gemm_notes.md §33).
+    A weight that any other kernel reads stays row-major: one copy of each weight, in one
+    order, serves every captured graph. (So a build that also captures a batch size where a
+    layer runs cuBLAS keeps that layer's weight row-major at every size.)"""
+    return {name for name, (shape, readers) in weight_readers(schedules).items()
+            if weight_blocks.blockable(shape) and all(_reads_blocks(k, batch, sms) for batch, k in readers)}
+
+
+def check_weight_orders(schedules: Mapping[int, Schedule], weights: Weights, sms: int) -> None:
+    """Refuse a build whose kernels cannot read the weights in the order they are stored: a
+    weight in blocks that some kernel reads row-major (a ``Weights`` object that another
+    build stored in blocks, shared with a build that runs cuBLAS on it)."""
+    for name, (_, readers) in weight_readers(schedules).items():
+        if weights.is_blocked(name):
+            for batch, k in readers:
+                if not _reads_blocks(k, batch, sms):
+                    raise GraphcError(
+                        f"weight {name} is stored in 64 x 64 blocks (an earlier build sharing these "
+                        f"Weights put it there), but {k.node} at batch {batch} runs {k.impl}, which "
+                        f"reads it row-major; give this build its own weights, or build both with "
+                        f"block_weights=False")
 
 
 @dataclass(frozen=True)

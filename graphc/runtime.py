@@ -22,7 +22,7 @@ import torch
 
 from .errors import GraphcError
 from .graph import build_graph, weight_shapes
-from .plan import Plan, check_fits
+from .plan import Plan, blocked_weights, check_fits, check_weight_orders
 from .reference import run_kernels
 from .schedule import Schedule, build_schedule, implementations_for_gpu
 from .spec import Spec, load_spec
@@ -194,7 +194,7 @@ class DecodeStep:
         check_finite_weights(path, shapes, self.device if self.device.type == "cuda" else None)
         with torch.no_grad():
             for name, t in read_weights(path, shapes, "cpu", check_values=False):
-                self.plan.weights.tensors[name].copy_(t)
+                self.plan.weights.copy_in(name, t)      # in the order it is stored
                 del t
 
     # --- reports ----------------------------------------------------------------------------
@@ -371,22 +371,37 @@ def check_memory(schedule: Schedule, max_batch: int, dev: torch.device, weights)
                transient_bytes=random_init_temporary_bytes(weight_shapes(schedule.graph)) if weights is None else 0)
 
 
-def _compiling_kernels_ahead(schedules: dict[int, Schedule], dev: torch.device, jobs: int | None,
-                             progress: Callable[[str], None]):
-    """On a GPU, the kernel variants the schedules need and no cache holds compile in worker
-    processes while the body runs (graphc/compile_ahead.py); on the CPU nothing compiles."""
+def _compiling_kernels_ahead(schedules: dict[int, Schedule], dev: torch.device, blocked: set[str],
+                             jobs: int | None, progress: Callable[[str], None]):
+    """On a GPU, the kernel variants the schedules need (``blocked``: the weights stored in
+    blocks) and no cache holds compile in worker processes while the body runs
+    (graphc/compile_ahead.py); on the CPU nothing compiles."""
     if dev.type != "cuda":
         return contextlib.nullcontext()
     from .compile_ahead import compiling_ahead, schedule_variants
 
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    return compiling_ahead(schedule_variants(schedules, sms), jobs, progress)
+    return compiling_ahead(schedule_variants(schedules, _sm_count(dev), blocked), jobs, progress)
+
+
+def _sm_count(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def _weights_in_blocks(schedules: dict[int, Schedule], dev: torch.device, weights, block_weights: bool) -> set[str]:
+    """The weights this build will have stored in blocks: on a GPU, those only the decode
+    GEMM's stream-K kernel reads (``plan.blocked_weights``), unless a build sharing ``weights``
+    reads them row-major; plus any a shared ``Weights`` already holds in blocks."""
+    blocked = blocked_weights(schedules, _sm_count(dev)) if dev.type == "cuda" and block_weights else set()
+    if isinstance(weights, Weights):
+        blocked = (blocked - weights.pinned_rows) | weights.blocked()
+    return blocked
 
 
 def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4, 8),
           weights: Weights | str | os.PathLike | None = None, device: str = "cuda",
           implementations: dict | None = None, use_pdl: bool = True, seed: int = 0,
-          progress: Callable[[str], None] | None = _log, compile_jobs: int | None = None) -> DecodeStep:
+          progress: Callable[[str], None] | None = _log, compile_jobs: int | None = None,
+          block_weights: bool = True) -> DecodeStep:
     """Validate, schedule, plan, compile and capture: one CUDA graph per batch size. The
     parameters are described on ``graphc.build``, the public entry point.
 
@@ -406,21 +421,29 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
     check_memory(schedules[sizes[-1]], sizes[-1], dev, weights)
     with _device_guard(dev):
-        return _allocate_and_capture(schedules, shapes, dev, weights, seed, compile_jobs, progress)
+        blocked = _weights_in_blocks(schedules, dev, weights, block_weights)
+        return _allocate_and_capture(schedules, shapes, dev, weights, seed, blocked, compile_jobs, progress)
 
 
 def _allocate_and_capture(schedules: dict[int, Schedule], shapes, dev: torch.device, weights, seed: int,
-                          compile_jobs: int | None, progress: Callable[[str], None]) -> DecodeStep:
-    """The build's second half, on ``dev``: weights (while kernels compile ahead), plan,
-    warm-up, capture."""
+                          blocked: set[str], compile_jobs: int | None,
+                          progress: Callable[[str], None]) -> DecodeStep:
+    """The build's second half, on ``dev``: weights (while kernels compile ahead; ``blocked``
+    are stored in blocks), plan, warm-up, capture."""
     sizes = list(schedules)
-    with _compiling_kernels_ahead(schedules, dev, compile_jobs, progress):   # while the weights load
+    with _compiling_kernels_ahead(schedules, dev, blocked, compile_jobs, progress):   # while the weights load
         t0 = time.perf_counter()
         if weights is None:
             weights = Weights.random(shapes, seed=seed, device=dev)
         elif not isinstance(weights, Weights):
             weights = Weights.load(weights, shapes, dev)
-        progress(f"weights: {weights.nbytes() / 1e9:.2f} GB ({weights.origin}) in {time.perf_counter() - t0:.1f} s")
+        weights.store_blocked(blocked - weights.blocked())
+        progress(f"weights: {weights.nbytes() / 1e9:.2f} GB ({weights.origin}) in {time.perf_counter() - t0:.1f} s"
+                 + (f"; {len(blocked)} of {len(shapes)} in 64 x 64 blocks for the decode GEMM" if blocked else ""))
+    if dev.type == "cuda":
+        check_weight_orders(schedules, weights, _sm_count(dev))
+        # Captured graphs will read these row-major: no later build may move them to blocks.
+        weights.pinned_rows |= set(shapes) - weights.blocked()
     plan = Plan(schedules[sizes[-1]], sizes[-1], weights, dev)
     graphs = None
     if dev.type == "cuda":

@@ -17,20 +17,65 @@ from typing import Iterator, Mapping
 import torch
 
 from .errors import GraphcError
+from .kernels import weight_blocks
 
 
 class Weights:
-    """Every weight of one model, bf16, on one device. Read-only during a step."""
+    """Every weight of one model, bf16, on one device. Read-only during a step.
+
+    A matrix is stored row-major [N, K], or in 64 x 64 blocks [N/64, K/64, 64, 64]
+    (kernels/weight_blocks.py), the order the decode GEMM streams fastest: a build on a GPU
+    stores there the weights that only such kernels read (graphc/plan.py, ``blocked_weights``).
+    ``tensors`` holds what is stored; ``matrix`` gives a weight back as [N, K] whatever its
+    order. Once a build has captured kernels that read a weight row-major, it can no longer
+    go to blocks (``pinned_rows``): another build sharing this object must not change the
+    memory under the first one's graphs.
+    """
 
     def __init__(self, tensors: dict[str, torch.Tensor], origin: str):
         self.tensors = tensors
         self.origin = origin
+        self.pinned_rows: set[str] = set()
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        """The stored tensor (blocks for a blocked weight; ``matrix`` for [N, K])."""
         return self.tensors[name]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The weight's shape as the model has it ([N, K] also when stored in blocks)."""
+        t = self.tensors[name]
+        return weight_blocks.matrix_shape(t) if weight_blocks.is_blocked(t) else tuple(t.shape)
+
+    def is_blocked(self, name: str) -> bool:
+        return weight_blocks.is_blocked(self.tensors[name])
+
+    def blocked(self) -> set[str]:
+        """Names of the weights stored in blocks."""
+        return {name for name, t in self.tensors.items() if weight_blocks.is_blocked(t)}
+
+    def matrix(self, name: str) -> torch.Tensor:
+        """The weight as the model has it: the stored tensor, or a row-major copy of blocks."""
+        return weight_blocks.as_matrix(self.tensors[name])
+
+    def store_blocked(self, names) -> None:
+        """Store these weights in blocks, each in its own memory (a few MB of temporaries)."""
+        for name in sorted(names):
+            if name in self.pinned_rows:
+                raise GraphcError(f"weight {name}: a build sharing these weights reads it row-major, "
+                                  f"so it cannot be stored in blocks now")
+            if not self.is_blocked(name):
+                self.tensors[name] = weight_blocks.to_blocks_(self.tensors[name])
+
+    def copy_in(self, name: str, value: torch.Tensor) -> None:
+        """Overwrite a weight in place with ``value`` as the model has it ([N, K]), in the
+        order it is stored."""
+        t = self.tensors[name]
+        if weight_blocks.is_blocked(t):
+            value = weight_blocks.to_blocks(value)
+        t.copy_(value)
 
     @classmethod
     def random(cls, shapes: Mapping[str, tuple[int, ...]], seed: int = 0,
@@ -48,7 +93,7 @@ class Weights:
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous().cpu() for k, v in self.tensors.items()}, str(path))
+        save_file({k: self.matrix(k).contiguous().cpu() for k in self.tensors}, str(path))
 
 
 # safetensors' dtype names -> torch's, for error messages.

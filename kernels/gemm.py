@@ -97,7 +97,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from . import gemm_wide, smem_pipeline
+from . import gemm_wide, smem_pipeline, weight_blocks
 from .compile_cache import CompileCache
 from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, on_off_knob, peers_done,
                             pipeline_stages, release_stage, tma_load, tma_load_op)
@@ -111,7 +111,7 @@ EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
 TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
-                "publish_first", "cluster", "x_trim", "pre_wait_stages", "trigger_at")
+                "publish_first", "cluster", "x_trim", "pre_wait_stages", "trigger_at", "w_blocked")
 # Where a CTA executes ``launch_dependents`` (the ``trigger_at`` knob; TRIGGER stays "early",
 # which is conservative for every one of them): at entry (the default), right after its PDL
 # wait, once its consumers have streamed their last k-block (before the last tile's split
@@ -155,7 +155,7 @@ class GemmConfig:
                  stages: int | None = None, halves: int | None = None, y_staging: int | None = None,
                  col_wgs: int | None = None, publish_first: int | None = None, cluster: int | None = None,
                  x_trim: int | None = None, pre_wait_stages: int | None = None,
-                 trigger_at: int | None = None):
+                 trigger_at: int | None = None, w_blocked: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -267,6 +267,13 @@ class GemmConfig:
             raise ValueError(f"trigger_at={trigger_at} unsupported: 0..{len(TRIGGER_POINTS) - 1} "
                              f"({', '.join(TRIGGER_POINTS)})")
         self.trigger_at = int(trigger_at)
+        # W's memory order (``w_blocked``; ``linear`` sets it from the weight's shape): row-
+        # major [N, K], or kernels/weight_blocks.py's 64 x 64 blocks of 8 KB, each contiguous,
+        # a row block's blocks in K order. Then one TMA box is one contiguous 8 KB read instead
+        # of 64 rows' 128-byte pieces K*2 bytes apart: fewer DRAM row activations per byte,
+        # 2-7% faster at 1-64 rows on an H200 (bench/gemm_notes.md §33).
+        self.w_blocked = on_off_knob("w_blocked", w_blocked, False, block_k == K_ALIGN,
+                                     f"with block_k={K_ALIGN} (one block per TMA box)")
         # Accumulator floats per thread per half (64 x mma_n over 128 threads).
         self.frag = HALF_ROWS * self.mma_n // 128
         # Workspace: two partial slots per CTA (its first and last segment can be partial).
@@ -417,7 +424,8 @@ class GemmConfig:
                 f"publish_first={self.publish_first}, cluster={self.cluster}"
                 + (", x_trim=1" if self.x_trim else "")
                 + (f", pre_wait_stages={self.pre_wait_stages}" if self.pre_wait_stages < self.stages else "")
-                + (f", trigger_at={TRIGGER_POINTS[self.trigger_at]}" if self.trigger_at else "") + ")")
+                + (f", trigger_at={TRIGGER_POINTS[self.trigger_at]}" if self.trigger_at else "")
+                + (", w_blocked=1" if self.w_blocked else "") + ")")
 
 
 def check_shape(m: int, k: int, n: int, epilogue: str | None = None) -> None:
@@ -473,10 +481,13 @@ class DecodeGemmKernel:
             cute.make_ptr(BFloat16, x_addr, gmem, assumed_align=16),
             cute.make_layout((x_rows, cfg.k), stride=(cfg.k, 1)),
         )
-        mW = cute.make_tensor(
-            cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16),
-            cute.make_layout((cfg.n, cfg.k), stride=(cfg.k, 1)),
-        )
+        w_layout = cute.make_layout((cfg.n, cfg.k), stride=(cfg.k, 1))
+        if const_expr(cfg.w_blocked):
+            # (row in block, row block) x (k in block, k block): weight_blocks.to_blocks' order.
+            w_layout = cute.make_layout(
+                ((HALF_ROWS, cfg.n // HALF_ROWS), (K_ALIGN, cfg.k // K_ALIGN)),
+                stride=((K_ALIGN, HALF_ROWS * cfg.k), (1, HALF_ROWS * K_ALIGN)))
+        mW = cute.make_tensor(cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16), w_layout)
         mY = cute.make_tensor(
             cute.make_ptr(BFloat16, y_addr, gmem, assumed_align=16),
             # Dynamic row count too: no static size-1 batch mode anywhere (the epilogue's mask
@@ -1304,11 +1315,20 @@ def cache_of(cfg):
     return gemm_wide.compile_cache() if isinstance(cfg, gemm_wide.WideGemmConfig) else _CACHE
 
 
-def compiled_variant(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS) -> tuple[str, tuple]:
+def reads_blocks(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS) -> bool:
+    """Whether the kernel ``linear`` runs by default for this call can read the weight in
+    blocks (kernels/weight_blocks.py) at no cost: the stream-K kernel can, the whole-K tiles
+    of gemm_wide.py (from 116 rows on some shapes) cannot. A build stores a weight in blocks
+    only where this holds for every batch size it captures (graphc/plan.py)."""
+    return isinstance(_config(m, k, n, epilogue, ctas, ()), GemmConfig)
+
+
+def compiled_variant(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS,
+                     w_blocked: bool = False) -> tuple[str, tuple]:
     """(kernel module, compile-cache key) of the kernel ``linear`` loads for this call with
-    default tuning on ``ctas`` SMs, so that a build can compile it ahead
-    (graphc/compile_ahead.py)."""
-    cfg = _config(m, k, n, epilogue, ctas, ())
+    default tuning on ``ctas`` SMs, the weight row-major or in blocks (``w_blocked``), so that a
+    build can compile it ahead (graphc/compile_ahead.py)."""
+    cfg = _config(m, k, n, epilogue, ctas, (("w_blocked", 1),) if w_blocked else ())
     module = gemm_wide.__name__ if isinstance(cfg, gemm_wide.WideGemmConfig) else __name__
     return module, cfg.key()
 
@@ -1353,21 +1373,25 @@ def _check_tensor(name: str, t, shape: tuple, device) -> None:
 
 
 def validate(x, weight, out, epilogue: str | None = None) -> tuple[int, int, int]:
-    """Check a ``linear`` call; returns (M, K, N). Raises ValueError naming the rule."""
+    """Check a ``linear`` call; returns (M, K, N). Raises ValueError naming the rule. The
+    weight is W [N, K] row-major, or its blocks [N/64, K/64, 64, 64] (kernels/weight_blocks.py)."""
     import torch
 
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError("weight must be a 2-D [N, K] tensor")
+    if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 4):
+        raise ValueError("weight must be a 2-D [N, K] tensor, or its [N/64, K/64, 64, 64] blocks "
+                         "(kernels/weight_blocks.py)")
+    if weight.dim() == 4 and tuple(weight.shape[2:]) != (weight_blocks.BLOCK,) * 2:
+        raise ValueError(f"blocked weight must have shape [N/64, K/64, 64, 64], got {list(weight.shape)}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError("x must be a 2-D [M, K] tensor")
-    n, k = weight.shape
+    n, k = weight_blocks.matrix_shape(weight)
     m = x.shape[0]
     check_shape(int(m), int(k), int(n), epilogue)
     device = weight.device
     if device.type != "cuda":
         raise ValueError(f"tensors must be on a CUDA device, got {device}")
     n_out = n // 2 if epilogue == "silu_mul" else n
-    _check_tensor("weight", weight, (n, k), device)
+    _check_tensor("weight", weight, tuple(weight.shape), device)
     _check_tensor("x", x, (m, k), device)
     _check_tensor("out", out, (m, n_out), device)
     return int(m), int(k), int(n)
@@ -1381,12 +1405,19 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
     the PDL attribute when ``use_pdl``. Capturable in a CUDA graph once it has been called
     outside capture for this shape (that first call allocates the split-K workspace or loads
     the kernel).
+    ``weight`` is W [N, K] row-major or, faster, its blocks from kernels/weight_blocks.py
+    (``to_blocks``), which only the stream-K kernel reads: with blocks it runs at every M, also
+    where ``plan`` would pick the whole-K tiles (``reads_blocks`` says where it does anyway).
     ``ctas`` (the persistent grid; None: one CTA per SM) and ``tuning`` (``plan``'s knobs) are
     for the benchmark (bench/gemm.py); leave them unset. Which kernel runs: ``plan``."""
     import torch
 
     m, k, n = validate(x, weight, out, epilogue)
     device = weight.device
+    if "w_blocked" in tuning:
+        raise ValueError("linear: w_blocked follows from the weight's shape (4-D: blocks); do not pass it")
+    if weight_blocks.is_blocked(weight):
+        tuning = {**tuning, "w_blocked": 1}     # a stream-K knob: blocks run the stream-K kernel
     cfg = _config(m, k, n, epilogue, ctas or _sm_count(device), tuple(sorted(tuning.items())))
     if stream is None:
         stream = torch.cuda.current_stream(device)

@@ -68,6 +68,11 @@ TUNING_CASES = [
     (8, 8192, 7168, None, dict(trigger_at=1)),
     (64, 7168, 36864, "silu_mul", dict(trigger_at=2)),
     (3, 18432, 7168, None, dict(trigger_at=3)),
+    # W in 8 KB blocks (kernels/weight_blocks.py; the test passes them as the 4-D weight):
+    # 4-D W boxes over the same logical [N, K].
+    (8, 8192, 7168, None, dict(w_blocked=1)),
+    (64, 7168, 36864, "silu_mul", dict(w_blocked=1)),
+    (37, 1024, 1536, None, dict(w_blocked=1)),
     # Whole-K tiles (kernels/gemm_wide.py), the default for plain shapes at 128 and 231-256
     # rows when one wave of tiles fills the SMs: 64-row batch tiles, several tiles per CTA
     # (a persistent loop), a padded batch tile, forced at few rows, a shallow pipeline, pairs

@@ -139,6 +139,10 @@ def test_precompile_lean_list_and_prune(tmp_path, monkeypatch):
               | {(k, n, e) for _, k, n, e in BENCH_SHAPES}
               | {(k, n, e) for _, k, n, e in [*gemm_shapes.reference_cases(), *gemm_shapes.OTHER_CASES]})
     defaults = {job(m, k, n, e) for m in range(1, 257) for k, n, e in shapes}
+    # ... and the spec shapes on weights in blocks, as a build stores those only it reads.
+    defaults |= {job(m, k, n, e, w_blocked=1) for m in range(1, 257)
+                 for k, n, e in {*gemm_shapes.SPEC_SHAPES, *precompile.spec_linear_shapes()}}
+    assert job(8, 7168, 10240, None, w_blocked=1) in lean
     assert len(set(lean) - defaults) <= len(gemm_shapes.TUNING_CASES)  # knob variants: the tests' only
 
     monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
@@ -187,13 +191,16 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     from graphc.kernels import gemm
 
     assert step_ab.parse_variant("pf8:l2_prefetch=8,stages=6@attn.qkv,lm_head") == (
-        "pf8", {"l2_prefetch": 8, "stages": 6}, {"attn.qkv", "lm_head"}, {})
-    assert step_ab.parse_variant("pf16:l2_prefetch=16") == ("pf16", {"l2_prefetch": 16}, None, {})
-    assert step_ab.parse_variant("c256:attention.chunk=256") == ("c256", {"attention.chunk": 256}, None, {})
+        "pf8", {"l2_prefetch": 8, "stages": 6}, {"attn.qkv", "lm_head"}, {}, {})
+    assert step_ab.parse_variant("pf16:l2_prefetch=16") == ("pf16", {"l2_prefetch": 16}, None, {}, {})
+    assert step_ab.parse_variant("c256:attention.chunk=256") == ("c256", {"attention.chunk": 256}, None, {}, {})
     assert step_ab.parse_variant("cl:impl.decode_attention=cluster,cluster.trigger_at=2") == (
-        "cl", {"cluster.trigger_at": 2}, None, {"decode_attention": "cluster"})
+        "cl", {"cluster.trigger_at": 2}, None, {"decode_attention": "cluster"}, {})
+    assert step_ab.parse_variant("rows:build.block_weights=0,impl.linear=cute") == (
+        "rows", {}, None, {"linear": "cute"}, {"block_weights": False})
     for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9", "x:attention.heads=2",
-                "x:cluster.chunk=2", "x:impl.decode_attention="):
+                "x:cluster.chunk=2", "x:impl.decode_attention=", "x:w_blocked=1", "x:build.seed=1",
+                "x:build.block_weights=no"):
         with pytest.raises(SystemExit, match="--variant"):
             step_ab.parse_variant(bad)
 

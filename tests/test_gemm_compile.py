@@ -179,6 +179,11 @@ def test_tuning_knobs_round_trip_and_bounds():
     assert GemmConfig(8, 7168, 7168).trigger_at == 0 and "trigger_at" not in repr(GemmConfig(8, 7168, 7168))
     with pytest.raises(ValueError, match=r"trigger_at=4 unsupported: 0..3 \(entry, wait, streamed, exit\)"):
         GemmConfig(8, 7168, 7168, trigger_at=4)
+    blocked = GemmConfig(8, 7168, 7168, w_blocked=1)
+    assert GemmConfig.from_key(blocked.key()).w_blocked == 1 and "w_blocked=1" in repr(blocked)
+    assert GemmConfig(8, 7168, 7168).w_blocked == 0
+    with pytest.raises(ValueError, match=r"w_blocked=1 unsupported here \(0, or 1 with block_k=64"):
+        GemmConfig(8, 7168, 7168, w_blocked=1, block_k=128)
 
 
 def test_split_reduction_paths():
@@ -403,13 +408,17 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     assert ptx.count("griddepcontrol.launch_dependents") == (cfg.trigger_at != 3)
     assert "griddepcontrol.wait" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier::complete_tx::bytes" in ptx
-    # Both tensor maps (W and x) are rank 2, so every TMA load must be .2d with two
-    # coordinates. With a static M = 1 CuTe DSL dropped x's batch mode and emitted a .1d load
-    # against the rank-2 x map: an illegal instruction on the GPU (UTMALDG.1D, H200 2026-11-30).
+    # x's tensor map is rank 2, and W's too unless w_blocked (rank 4: k and row within an
+    # 8 KB block, k block, row block), so every TMA load is .2d with two coordinates or, for
+    # blocked W, .4d with four. With a static M = 1 CuTe DSL dropped x's batch mode and emitted
+    # a .1d load against the rank-2 x map: an illegal instruction on the GPU (UTMALDG.1D, H200
+    # 2026-11-30).
     tma = _tma_loads(ptx)
     assert tma, "no TMA load"
+    allowed = {("2d", 2)} | ({("4d", 4)} if cfg.w_blocked else set())
     for dim, coords in tma:
-        assert dim == "2d" and len(coords) == 2, f"TMA load .{dim} with coordinates {coords}"
+        assert (dim, len(coords)) in allowed, f"TMA load .{dim} with coordinates {coords}"
+    assert any(dim == "4d" for dim, _ in tma) == bool(cfg.w_blocked)
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.mma_n}k16.f32.bf16.bf16" in ptx
     # Split-K reduction: an arrival counter; arrive first: release (fence + red) / acquire
     # (polling loads) of the publication; publish first: one acquire-release arrival. Partials
@@ -487,6 +496,8 @@ def test_ptx_other_shapes(m, k, n, epilogue):
     (8, 8192, 7168, None, dict(trigger_at=1)),         # the trigger after the wait
     (64, 7168, 36864, "silu_mul", dict(trigger_at=2)),  # ... after the last k-block
     (1, 18432, 7168, None, dict(trigger_at=3)),        # ... at exit (none in the code)
+    (8, 8192, 7168, None, dict(w_blocked=1)),          # W in 8 KB blocks: 4-D W boxes
+    (64, 7168, 36864, "silu_mul", dict(w_blocked=1)),
 ])
 def test_ptx_tuning_variants(m, k, n, epilogue, tuning):
     cfg = GemmConfig(m, k, n, epilogue, **tuning)

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graphc.kernels import gemm  # noqa: E402
+from graphc.kernels import gemm, weight_blocks  # noqa: E402
 
 # A kernel bug shows up as a hang in synchronize(); the thread method of pytest-timeout (on the
 # GPU image) dumps the stacks and ends the process instead of holding the machine.
@@ -92,7 +92,10 @@ def test_tuning_variants_match_reference(m, k, n, epilogue, tuning):
     two row warpgroups, and their opposites."""
     x, w = _inputs(m, k, n)
     out = _out(m, n, epilogue)
-    gemm.linear(x, w, out, epilogue=epilogue, **tuning)
+    # w_blocked: the kernel reads W's blocks (kernels/weight_blocks.py), given as the 4-D
+    # weight; the reference multiplies the row-major W.
+    knobs = {knob: v for knob, v in tuning.items() if knob != "w_blocked"}
+    gemm.linear(x, weight_blocks.to_blocks(w) if tuning.get("w_blocked") else w, out, epilogue=epilogue, **knobs)
     torch.cuda.synchronize()
     _check_close(out, _reference(x, w, epilogue), f"({tuning}, M={m}, K={k}, N={n})")
 

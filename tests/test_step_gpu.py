@@ -292,6 +292,27 @@ def test_weight_reload_needs_no_free_gpu_memory(tmp_path):
     assert torch.equal(fresh(tokens, lens), after)
 
 
+def test_weights_in_blocks_change_no_bit():
+    """Where only the decode GEMM reads a weight, a build stores it in 64 x 64 blocks
+    (graphc/plan.py): the same arithmetic in the same order as on row-major weights, so the
+    logits are bitwise those of a build with block_weights=False. A build sharing those
+    weights that would read them with cuBLAS is refused, naming the weight."""
+    from graphc.errors import GraphcError
+
+    blocked = graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], progress=None)
+    rows = graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], progress=None, block_weights=False)
+    linear = {n for n in blocked.plan.weights.tensors if n.endswith(("qkv.weight", "o_proj.weight",
+                                                                      "gate_up.weight", "down.weight"))}
+    assert linear and linear <= blocked.plan.weights.blocked() and rows.plan.weights.blocked() == set()
+    for b in (1, 3, 4):
+        tokens = torch.arange(4, 4 + b).cuda()
+        lens = torch.full((b,), 5, dtype=torch.int32).cuda()
+        assert torch.equal(blocked(tokens, lens), rows(tokens, lens)), b
+    with pytest.raises(GraphcError, match=r"stored in 64 x 64 blocks .* runs cublas"):
+        graphc.build("layer_specs/tiny.yaml", batch_sizes=[1], weights=blocked.plan.weights, progress=None,
+                     implementations={"linear": "cublas"})
+
+
 def test_bench_step_reports_board_power(step8l):
     """graphc bench's power columns on a real board: samples from nvidia-smi for the device the
     step runs on, within what the board reports as its limit and clock range."""

@@ -108,10 +108,17 @@ class Implementation:
     # whose wgmma and cluster instructions no other architecture has).
     arch: str | None = None
     # The CuTe DSL kernel variants a launch at ``batch`` rows loads, as (kernel module,
-    # compile-cache key) pairs: ``variants(op, batch, sms)``. A build compiles the ones not yet
-    # cached in parallel processes while its weights load (graphc/compile_ahead.py). None:
-    # nothing to compile ahead (library kernels; Triton compiles in the warm-up).
+    # compile-cache key) pairs: ``variants(op, batch, sms, blocked)``, ``blocked`` saying
+    # whether the op's weights are stored in blocks (kernels/weight_blocks.py). A build
+    # compiles the ones not yet cached in parallel processes while its weights load
+    # (graphc/compile_ahead.py). None: nothing to compile ahead (library kernels; Triton
+    # compiles in the warm-up).
     variants: Callable | None = None
+    # ``reads_blocks(op, batch, sms)``: whether a launch at ``batch`` rows on a GPU of ``sms``
+    # SMs takes the op's weights stored in 64 x 64 blocks (kernels/weight_blocks.py) as well as
+    # row-major ones, and streams them at least as fast. None: row-major only. A build stores
+    # a weight in blocks where every kernel reading it does (graphc/plan.py).
+    reads_blocks: Callable | None = None
 
     def runs_on(self, capability: tuple[int, int]) -> bool:
         if self.arch is None:

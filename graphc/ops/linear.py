@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import GraphcError
+from ..kernels.weight_blocks import as_matrix, is_blocked
 from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits, write_output
 
 
@@ -48,6 +50,8 @@ def _triton_available() -> bool:
 
 
 def _launch_cublas(op: "LinearOp", t, w, stream, use_pdl: bool) -> None:
+    if is_blocked(w["weight"]):     # graphc/plan.py never binds blocks to a row-major reader
+        raise GraphcError(f"{op.name}: cuBLAS reads row-major weights, but this one is stored in blocks")
     if op.epilogue is None:
         torch.matmul(t["x"], w["weight"].t(), out=t["out"])
         return
@@ -71,10 +75,18 @@ def _launch_decode_gemm(op: "LinearOp", t, w, stream, use_pdl: bool) -> None:
     linear(t["x"], w["weight"], t["out"], epilogue=op.epilogue, stream=stream, use_pdl=use_pdl)
 
 
-def _decode_gemm_variants(op: "LinearOp", batch: int, sms: int) -> list[tuple[str, tuple]]:
+def _decode_gemm_variants(op: "LinearOp", batch: int, sms: int, blocked: bool) -> list[tuple[str, tuple]]:
     from graphc.kernels.gemm import compiled_variant
 
-    return [compiled_variant(batch, op.k, op.n, op.epilogue, sms)]
+    return [compiled_variant(batch, op.k, op.n, op.epilogue, sms, w_blocked=blocked)]
+
+
+def _decode_gemm_reads_blocks(op: "LinearOp", batch: int, sms: int) -> bool:
+    # The stream-K kernel does (2-7% faster from them, bench/gemm_notes.md §33), the whole-K
+    # tiles that plan() picks at some batch sizes from 116 rows do not.
+    from graphc.kernels.gemm import reads_blocks
+
+    return reads_blocks(batch, op.k, op.n, op.epilogue, sms)
 
 
 def _decode_gemm_available() -> bool:
@@ -114,7 +126,7 @@ class LinearOp(Op):
         "cublas": Implementation("cublas", LIBRARY_KERNEL, _launch_cublas),
         "cute": Implementation("cute", _decode_gemm_traits(), _launch_decode_gemm,
                                available=_decode_gemm_available, arch="sm_90a",
-                               variants=_decode_gemm_variants),
+                               variants=_decode_gemm_variants, reads_blocks=_decode_gemm_reads_blocks),
     }
 
     k: int = 0
@@ -144,7 +156,8 @@ class LinearOp(Op):
         # silu_mul the activation is applied to the fp32 projection, as the decode GEMM's
         # epilogue does; the cuBLAS path rounds the projection to bf16 first (one more
         # rounding, within an ulp of the projection).
-        y = t["x"].float() @ w["weight"].float().t()
+        # (A weight stored in blocks is put back in rows first: one more pass over it.)
+        y = t["x"].float() @ as_matrix(w["weight"]).float().t()
         if self.epilogue is None:
             write_output(t["out"], y)
         else:

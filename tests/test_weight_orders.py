@@ -1,0 +1,118 @@
+"""Which weights a build stores in 64 x 64 blocks (graphc/plan.py ``blocked_weights``), the
+refusal of a build that could not read them, and ``Weights`` over both orders. CPU only: the
+choice follows from the schedules, which need no GPU (the decode GEMM's ``plan`` runs with
+CUTE_DSL_ARCH=sm_90a)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+pytest.importorskip("cutlass")
+
+from graphc.errors import GraphcError  # noqa: E402
+from graphc.graph import build_graph, weight_shapes  # noqa: E402
+from graphc.kernels import weight_blocks  # noqa: E402
+from graphc.plan import blocked_weights, check_weight_orders  # noqa: E402
+from graphc.schedule import build_schedule  # noqa: E402
+from graphc.spec import load_spec, parse_spec  # noqa: E402
+from graphc.weights import Weights  # noqa: E402
+
+SMS = 132
+KIMI_8L = "layer_specs/kimi_k3_dense_8l.yaml"
+
+
+def schedules(spec, batch_sizes, implementations=None):
+    graph = build_graph(spec if not isinstance(spec, str) else load_spec(spec))
+    return {b: build_schedule(graph, implementations, batch=b) for b in batch_sizes}, graph
+
+
+def linear_weights(graph, *roles):
+    return {name for name in weight_shapes(graph) if name.endswith(tuple(f"{r}.weight" for r in roles))}
+
+
+def test_only_the_decode_gemms_weights_go_to_blocks():
+    s, graph = schedules(KIMI_8L, [1, 8, 16])
+    every = linear_weights(graph, "qkv", "o_proj", "gate_up", "down", "lm_head")
+    assert len(every) == 8 * 4 + 1
+    assert blocked_weights(s, SMS) == every          # embedding, norms, queries stay as they are
+
+
+def test_a_weight_cublas_reads_anywhere_stays_row_major():
+    """At 64 rows qkv, o_proj and lm_head run cuBLAS (graphc/ops/linear.py's crossovers): one
+    copy of a weight serves every captured size, so those stay row-major at 1-32 rows too."""
+    s, graph = schedules(KIMI_8L, [1, 8, 64])
+    assert s[64].implementations()["L00.attn.qkv"] == "cublas"
+    assert blocked_weights(s, SMS) == linear_weights(graph, "gate_up", "down")
+    s, _ = schedules(KIMI_8L, [1, 8], {"linear": "cublas"})
+    assert blocked_weights(s, SMS) == set()
+
+
+def test_tied_embedding_stays_row_major():
+    text = open("layer_specs/tiny.yaml").read().replace("tied: false", "tied: true")
+    s, graph = schedules(parse_spec(text, "tied.yaml"), [1, 4])
+    blocked = blocked_weights(s, SMS)
+    assert "embed.weight" not in blocked                 # the embedding gathers its rows
+    assert blocked == linear_weights(graph, "qkv", "o_proj", "gate_up", "down")
+
+
+def test_schedule_variants_load_the_blocked_kernels():
+    from graphc.compile_ahead import schedule_variants
+    from graphc.kernels.gemm import TUNING_KNOBS
+
+    s, _ = schedules("layer_specs/tiny.yaml", [1, 4])
+    w_blocked = 5 + TUNING_KNOBS.index("w_blocked")      # key: (M, K, N, epilogue, ctas, *knobs)
+    gemm_keys = [key for module, key in schedule_variants(s, SMS) if module == "graphc.kernels.gemm"]
+    assert gemm_keys and all(key[w_blocked] == 1 for key in gemm_keys)
+    rows = [key for module, key in schedule_variants(s, SMS, blocked=()) if module == "graphc.kernels.gemm"]
+    assert len(rows) == len(gemm_keys) and all(key[w_blocked] == 0 for key in rows)
+
+
+def tiny_weights():
+    spec = load_spec("layer_specs/tiny.yaml")
+    return spec, Weights.random(weight_shapes(build_graph(spec)), seed=1)
+
+
+def test_a_build_cannot_read_blocks_row_major():
+    spec, weights = tiny_weights()
+    weights.store_blocked({"L00.attn.qkv.weight"})
+    s, _ = schedules(spec, [1, 4], {"linear": "cublas"})
+    with pytest.raises(GraphcError, match=r"weight L00.attn.qkv.weight is stored in 64 x 64 blocks .* "
+                                          r"L00.attn.qkv at batch 1 runs cublas"):
+        check_weight_orders(s, weights, SMS)
+    check_weight_orders(schedules(spec, [1, 4])[0], weights, SMS)      # the decode GEMM reads them
+
+
+def test_weights_in_both_orders(tmp_path):
+    _, weights = tiny_weights()
+    name = "L01.mlp.down.weight"
+    plain = weights[name].clone()
+    weights.store_blocked({name})
+    assert weights.is_blocked(name) and weights.blocked() == {name}
+    assert weights[name].dim() == 4 and weights.shape(name) == tuple(plain.shape)
+    assert torch.equal(weights.matrix(name), plain)
+    assert torch.equal(weights[name], weight_blocks.to_blocks(plain))
+    # A reload writes in the stored order; saving writes the model's [N, K].
+    weights.copy_in(name, plain * 2)
+    assert torch.equal(weights.matrix(name), plain * 2)
+    weights.save(tmp_path / "w.safetensors")
+    back = Weights.load(tmp_path / "w.safetensors", {n: weights.shape(n) for n in weights.tensors})
+    assert torch.equal(back[name], plain * 2) and back.blocked() == set()
+    # Once a build reads a weight row-major, it stays so.
+    weights.pinned_rows.add("L00.attn.qkv.weight")
+    with pytest.raises(GraphcError, match="L00.attn.qkv.weight: a build sharing these weights reads it row-major"):
+        weights.store_blocked({"L00.attn.qkv.weight"})
+
+
+def test_linear_reference_reads_blocks():
+    s, graph = schedules("layer_specs/tiny.yaml", [2])
+    op = graph.nodes["L00.attn.qkv"]["op"]
+    x = torch.randn(2, op.k).to(torch.bfloat16)
+    w = (torch.randn(op.n, op.k) / op.k ** 0.5).to(torch.bfloat16)
+    rows, blocks = torch.empty(2, op.n, dtype=torch.bfloat16), torch.empty(2, op.n, dtype=torch.bfloat16)
+    op.reference({"x": x, "out": rows}, {"weight": w})
+    op.reference({"x": x, "out": blocks}, {"weight": weight_blocks.to_blocks(w)})
+    assert torch.equal(rows, blocks)
