@@ -23,8 +23,9 @@ p.add_argument("--spec", default="layer_specs/kimi_k3_dense_8l.yaml")
 p.add_argument("--batch", type=int, default=5)
 a = p.parse_args()
 step = graphc.build(a.spec, [a.batch], progress=None)
+rows = step.plan.weights.row_major()     # for the cuBLAS linears (the step's GEMMs read blocks)
 variants = {name: Plan(build_schedule(step.schedule.graph, TORCH | swap, use_pdl), a.batch,
-                       step.plan.weights, "cuda")
+                       step.plan.weights if swap.get("linear") == "cute" else rows, "cuda")
             for name, swap, use_pdl in [
                 ("reference", {}, True), ("triton attention", {"decode_attention": "triton"}, True),
                 ("cute attn_res", {"attn_res": "cute"}, True), ("cute attn_res no-PDL", {"attn_res": "cute"}, False),

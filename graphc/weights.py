@@ -60,6 +60,14 @@ class Weights:
         """The weight as the model has it: the stored tensor, or a row-major copy of blocks."""
         return weight_blocks.as_matrix(self.tensors[name])
 
+    def row_major(self) -> "Weights":
+        """These weights with every one in blocks copied back to [N, K] (the others shared, not
+        copied): for plans whose cuBLAS or torch kernels read them row-major beside a step that
+        reads them in blocks (tools, tests)."""
+        if not self.blocked():
+            return self
+        return Weights({name: self.matrix(name) for name in self.tensors}, f"{self.origin}, row-major")
+
     def store_blocked(self, names) -> None:
         """Store these weights in blocks, each in its own memory (a few MB of temporaries)."""
         for name in sorted(names):

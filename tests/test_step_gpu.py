@@ -15,10 +15,12 @@ pytestmark = pytest.mark.gpu
 TORCH = {"attn_res": "torch", "decode_attention": "torch", "linear": "cublas"}
 
 
-def reference_twin(step, implementations=None):
-    """A second plan with the same weights whose kernels run the torch reference ops."""
+def reference_twin(step, implementations=None, weights=None):
+    """A second plan with the same weights (or ``weights``: the same values in another order)
+    whose kernels run the torch reference ops (``reference_call``), or, launched, the
+    implementations TORCH | ``implementations`` (``eager_call``)."""
     schedule = build_schedule(step.schedule.graph, TORCH | (implementations or {}))
-    return Plan(schedule, step.plan.max_batch, step.plan.weights, "cuda")
+    return Plan(schedule, step.plan.max_batch, weights or step.plan.weights, "cuda")
 
 
 def reference_call(plan, tokens, seq_lens, slots):
@@ -48,6 +50,13 @@ ARGMAX_AGREEMENT: list[torch.Tensor] = []
 
 
 @pytest.fixture(scope="module")
+def rows8l(step8l):
+    """step8l's weights row-major, for launching its twins whose linear layers run cuBLAS (the
+    step stores the decode GEMM's weights in blocks)."""
+    return step8l.plan.weights.row_major()
+
+
+@pytest.fixture(scope="module")
 def step8l():
     # 1 row: the cluster attention; 2 rows and up the TMA one (graphc.ops.attention's
     # CLUSTER_MAX_BATCH, TMA_MIN_BATCH).
@@ -72,7 +81,7 @@ def relative(a, b):
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 32, 3])
-def test_kimi_8l_four_steps_against_reference(step8l, batch):
+def test_kimi_8l_four_steps_against_reference(step8l, rows8l, batch):
     """Two checks per step over a growing cache:
 
     1. The captured step (graphs, PDL edges, padding) is bitwise identical to the same kernels
@@ -84,8 +93,8 @@ def test_kimi_8l_four_steps_against_reference(step8l, batch):
        wiring error gives ~1.
     """
     ref = reference_twin(step8l)
-    swaps = [reference_twin(step8l, {"decode_attention": "triton"}), reference_twin(step8l, {"decode_attention": "tma"}),
-             reference_twin(step8l, {"decode_attention": "cluster"}), reference_twin(step8l, {"attn_res": "cute"})]
+    swaps = [reference_twin(step8l, swap, rows8l) for swap in (
+        {"decode_attention": "triton"}, {"decode_attention": "tma"}, {"decode_attention": "cluster"}, {"attn_res": "cute"})]
     size = step8l.padded_size(batch)
     eager = reference_twin(step8l, step8l.schedule_for(batch).implementations())
     gen = torch.Generator().manual_seed(batch)

@@ -101,6 +101,10 @@ def test_weights_in_both_orders(tmp_path):
     weights.save(tmp_path / "w.safetensors")
     back = Weights.load(tmp_path / "w.safetensors", {n: weights.shape(n) for n in weights.tensors})
     assert torch.equal(back[name], plain * 2) and back.blocked() == set()
+    # A row-major twin for tools: blocked ones copied back, the others shared.
+    twin = weights.row_major()
+    assert twin.blocked() == set() and torch.equal(twin[name], plain * 2)
+    assert twin["L00.attn.qkv.weight"] is weights["L00.attn.qkv.weight"]
     # Once a build reads a weight row-major, it stays so.
     weights.pinned_rows.add("L00.attn.qkv.weight")
     with pytest.raises(GraphcError, match="L00.attn.qkv.weight: a build sharing these weights reads it row-major"):
