@@ -29,6 +29,11 @@ times neither. ``--rounds R`` times every configuration of a row R times round-r
 reports medians: use it (3 or more) to decide between configurations, whose times otherwise
 depend on their place in the row by up to 10-20% on a power-capped board (§22, §23).
 
+Since session 26 ours reads its weights as a graphc build stores them: in 64 x 64 blocks
+(kernels/weight_blocks.py) where the kernel that runs reads them (``gemm.reads_blocks``: the
+stream-K kernel, 2-7% faster from them, bench/gemm_notes.md §33), else row-major; cuBLAS reads
+row-major copies. ``--tunings w_blocked=0`` times ours on row-major weights beside it.
+
 Runtime: ~3 compiles per (shape, M) (a few seconds each) plus ~1 s of timing; the default
 16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml.
 """
@@ -155,6 +160,18 @@ def parse_tunings(text: str) -> list[tuple[str, dict]]:
     return out
 
 
+def reads_blocks_with(m: int, k: int, n: int, epilogue, knobs: dict) -> bool:
+    """Whether the kernel these knobs select reads weights in blocks (the stream-K kernel at
+    block_k = 64: not the whole-K tiles, not block_k = 128). A variant without w_blocked reads
+    them so when the default does and it can; otherwise row-major."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        gemm.plan(m, k, n, epilogue, **{"ctas": sms, **knobs, "w_blocked": 1})
+    except ValueError:
+        return False
+    return True
+
+
 def variants(m: int, k: int, n: int, epilogue, explicit=None) -> list[tuple[str, dict]]:
     """The tuning alternatives (``explicit`` or else ``variant_tunings``) legal for this shape."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -181,21 +198,28 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
     outs = [torch.empty(m, n_out, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     tmps = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
 
+    # Ours reads the weights as a graphc build stores them: in 64 x 64 blocks (kernels/
+    # weight_blocks.py, copies of their own, passed as 4-D weights) where the kernel that runs
+    # reads them (gemm.reads_blocks), else row-major; cuBLAS reads the row-major copies. A
+    # variant's w_blocked=0 / 1 chooses explicitly.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default_blocked = int(gemm.reads_blocks(m, k, n, epilogue, sms))
+    blocked = default_blocked or (args.variants and any(
+        t.get("w_blocked") for _, t in variants(m, k, n, epilogue, args.tunings)))
+    ws_blocked = [weight_blocks.to_blocks(w) for w in ws] if blocked else None
+
+    def weights_and_knobs(tuning):
+        knobs = {knob: v for knob, v in tuning.items() if knob != "w_blocked"}
+        in_blocks = tuning.get("w_blocked", default_blocked and reads_blocks_with(m, k, n, epilogue, knobs))
+        return (ws_blocked if in_blocks else ws), knobs
+
     # Correctness first: a fast wrong kernel is not a result.
-    gemm.linear(xs[0], ws[0], outs[0], epilogue=epilogue, use_pdl=False)
+    gemm.linear(xs[0], weights_and_knobs({})[0][0], outs[0], epilogue=epilogue, use_pdl=False)
     ref = xs[0].float() @ ws[0].float().T
     if epilogue == "silu_mul":
         ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2:]
     err = ((outs[0].float() - ref).norm() / ref.norm()).item()
 
-    # A variant with w_blocked reads W's blocks (kernels/weight_blocks.py): copies of its own,
-    # passed as 4-D weights (the shape is what tells linear).
-    blocked = args.variants and any(t.get("w_blocked") for _, t in variants(m, k, n, epilogue, args.tunings))
-    ws_blocked = [weight_blocks.to_blocks(w) for w in ws] if blocked else None
-
-    def weights_and_knobs(tuning):
-        knobs = {knob: v for knob, v in tuning.items() if knob != "w_blocked"}
-        return (ws_blocked if tuning.get("w_blocked") else ws), knobs
 
     def ours(use_pdl, tuning):
         w_in, knobs = weights_and_knobs(tuning)
@@ -256,7 +280,8 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         for label in ("ours_pdl_s", "cublas_s", *(f"variant {v}" for v in checked)):
             summary = measure_power(graphs[label].replay, nvidia_smi_id(torch.device("cuda")))
             row["power"][label] = summary.as_dict() if summary else None
-    row["config"] = repr(gemm.plan(m, k, n, epilogue, torch.cuda.get_device_properties(0).multi_processor_count))
+    row["config"] = repr(gemm.plan(m, k, n, epilogue, sms, **({"w_blocked": 1} if default_blocked else {})))
+    row["weights_in_blocks"] = bool(default_blocked)
     return row
 
 

@@ -88,9 +88,13 @@ def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tupl
 
     from gemm import BIG_SHAPES as BENCH_SHAPES      # bench/gemm.py's rows
 
+    from graphc.kernels.gemm import reads_blocks
+
     for _, k, n, e in BENCH_SHAPES:                  # bench/gemm.py: default + its variants
         for m in (1, 8, 16, 32, 64, 128, 200, 256) if lean else (1, 8, 16, 32, 64, 256):
             wanted.append((m, k, n, e, {}))
+            if reads_blocks(m, k, n, e, H200_SMS):  # ours reads blocks there, as the step does
+                wanted.append((m, k, n, e, {"w_blocked": 1}))
             if not lean:
                 for _, tuning in variant_tunings(GemmConfig(m, k, n, e, H200_SMS)):
                     wanted.append((m, k, n, e, tuning))

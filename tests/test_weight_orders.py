@@ -35,18 +35,22 @@ def linear_weights(graph, *roles):
 
 
 def test_only_the_decode_gemms_weights_go_to_blocks():
-    s, graph = schedules(KIMI_8L, [1, 8, 16])
+    s, graph = schedules(KIMI_8L, [1, 8, 32, 64])
     every = linear_weights(graph, "qkv", "o_proj", "gate_up", "down", "lm_head")
     assert len(every) == 8 * 4 + 1
     assert blocked_weights(s, SMS) == every          # embedding, norms, queries stay as they are
 
 
 def test_a_weight_cublas_reads_anywhere_stays_row_major():
-    """At 64 rows qkv, o_proj and lm_head run cuBLAS (graphc/ops/linear.py's crossovers): one
-    copy of a weight serves every captured size, so those stay row-major at 1-32 rows too."""
-    s, graph = schedules(KIMI_8L, [1, 8, 64])
-    assert s[64].implementations()["L00.attn.qkv"] == "cublas"
-    assert blocked_weights(s, SMS) == linear_weights(graph, "gate_up", "down")
+    """One copy of a weight serves every captured size: a layer that runs cuBLAS at one size
+    (every Kimi linear at 128 rows, graphc/ops/linear.py's crossovers; or a node pinned to it)
+    keeps its weight row-major at the small sizes too."""
+    s, graph = schedules(KIMI_8L, [1, 8, 128])
+    assert s[128].implementations()["L00.attn.qkv"] == "cublas"
+    assert blocked_weights(s, SMS) == set()
+    s, graph = schedules(KIMI_8L, [1, 8], {"L00.attn.qkv": "cublas"})
+    every = linear_weights(graph, "qkv", "o_proj", "gate_up", "down", "lm_head")
+    assert blocked_weights(s, SMS) == every - {"L00.attn.qkv.weight"}
     s, _ = schedules(KIMI_8L, [1, 8], {"linear": "cublas"})
     assert blocked_weights(s, SMS) == set()
 

@@ -10,11 +10,12 @@ an 8-layer model's logits by ~6e-3, bench/step_notes.md).
 cuBLAS (through torch) cannot execute ``griddepcontrol.wait``, so the scheduler may enter it
 only through a full edge. The CuTe DSL decode GEMM streams its weights before the wait.
 
-Which one a captured batch size gets by default was measured (bench/gemm.py on an H200,
-bench/gemm_notes.md): the decode GEMM streams the weights faster than cuBLAS up to
-``DECODE_GEMM_MAX_BATCH`` rows on every linear shape of the Kimi specs; above, cuBLAS's
-tiling wins on some shapes and loses on others, so the shapes measured faster at more rows
-are listed with their crossover (``DECODE_GEMM_CROSSOVER``) and the rest keep cuBLAS.
+Which one a captured batch size gets by default was measured (bench/gemm.py and
+bench/step_ab.py on an H200, bench/gemm_notes.md): the decode GEMM up to
+``DECODE_GEMM_MAX_BATCH`` rows on every linear shape, and up to 64 rows on the Kimi shapes
+listed in ``DECODE_GEMM_CROSSOVER``; cuBLAS above. Where the decode GEMM is the only reader of
+a weight at every captured batch size, the build stores that weight in 64 x 64 blocks
+(graphc/plan.py), which it streams 2-7% faster.
 """
 
 from __future__ import annotations
@@ -95,27 +96,26 @@ def _decode_gemm_available() -> bool:
 
 
 DECODE_GEMM_MAX_BATCH = 16
-# (K, N, epilogue) -> the largest batch size at which the decode GEMM was measured faster
-# than cuBLAS (bench/results/gemm_NVIDIA_H200_2026-11-30_c.json, M in 1..64, after the
-# vectorised split-tile reduction): the MLP's gate_up with its fused silu * up (125.8 us vs
-# 140.0 for cuBLAS + the activation kernel at M = 64), down (66.1 vs 75.0), and qkv and
-# o_proj up to 32 rows (0.94x, 0.95x; at 64 rows they lose, 1.03x and 1.05x). Checked in the
-# step itself (bench/results/step_crossover_ab_*, `graphc bench --quick`, A/B on one machine):
-# qkv and o_proj at 64 rows on the decode GEMM cost +64 us per step even at 1.017x alone, and
-# gate_up and down at 128 rows +80 us though faster alone; gate_up and down at 64 rows save
-# 110 us against cuBLAS (bench/step_notes.md). Again on the session-6 kernel, one process:
-# qkv on the decode GEMM at 64 rows +36 us, o_proj +32, both +48; a smaller prologue does not
-# change it. Since the decode GEMM drops its summed partials from L2 (session 9,
-# bench/gemm_notes.md §15) both at 64 rows tie with cuBLAS in the step (3210-3216 against
-# 3215-3222 us), so the crossover stays. At 128 rows down / qkv / o_proj on the decode GEMM
-# (its whole-K tiles there, 0.87-0.97x cuBLAS alone) measured bimodal in the step, 4100-4332
-# against 4131-4164 us (bench/gemm_notes.md §21), and again with gate_up too (session 13,
-# bench/step_notes.md): 4120-4302 against 4119-4152 us. Not a reason to move the crossover.
+# (K, N, epilogue) -> the largest batch size at which the decode GEMM is the default, from
+# measurements in the step (bench/step_notes.md, bench/gemm_notes.md). Until session 26 qkv and
+# o_proj kept cuBLAS at 64 rows and lm_head above 16: there the decode GEMM on row-major
+# weights tied or lost in the step (qkv / o_proj at 64 rows: 3210-3216 against 3215-3222 us,
+# session 9; lm_head a tie with cuBLAS at 32-64 rows alone). Since it reads the weights that
+# only it reads in 64 x 64 blocks (kernels/weight_blocks.py), it is 2-7% faster alone and the
+# 8-layer step with every Kimi linear on it up to 64 rows (all their weights in blocks) was
+# faster at every size measured than with these three on cuBLAS at 32-64 rows, whose weights
+# then stay row-major at every size (one A/B in one process, bench/step_ab.py, 3 rounds;
+# bench/results/step_weights_in_blocks_ab_8l_*_session26.txt): 2497-2506 against 2522-2526 us
+# at 1 row, 2556-2563 / 2577-2586 at 8, 2815-2826 / 2833-2845 at 32, 3270-3272 / 3293-3298 at
+# 64. At 128 rows down / qkv / o_proj on the decode GEMM (its whole-K tiles there, which read
+# row-major weights only) measured bimodal in the step, 4100-4332 against 4131-4164 us
+# (bench/gemm_notes.md §21; again in session 13), so the crossovers stay at 64.
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 64,
     (18432, 7168, None): 64,
-    (7168, 10240, None): 32,
-    (8192, 7168, None): 32,
+    (7168, 10240, None): 64,
+    (8192, 7168, None): 64,
+    (7168, 163840, None): 64,       # lm_head
 }
 
 
