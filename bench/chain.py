@@ -14,6 +14,9 @@ and timed in ``--rounds`` round-robin passes (median):
 * ``full``: the same kernels with full edges (no PDL attribute);
 * ``cublas``: AttnRes (PDL) with torch.mm instead of our GEMM (full edges into cuBLAS).
 
+Our GEMM reads its weights as a build stores them, in 64 x 64 blocks (kernels/weight_blocks.py;
+a tuning with ``w_blocked=0``: row-major); cuBLAS reads row-major copies.
+
 ``added`` = (chain - GEMMs alone) / links: what each AttnRes costs beyond the GEMMs' own time
 (issue 5's target: <= 1 us with PDL). ``--tunings`` (the syntax of ``bench/gemm.py``; default:
 no / 16 W iterations prefetched into L2 before the GEMM's wait) repeats gemm / pdl / added with
@@ -37,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from graphc.kernels import gemm  # noqa: E402
+from graphc.kernels.weight_blocks import to_blocks  # noqa: E402
 from graphc.kernels.attn_res import attn_res  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -94,12 +98,22 @@ def bench(m: int, replays: int, tunings: list[tuple[str, dict]], rounds: int = 3
                  has_delta=True, write=-1, final=False, eps=EPS, out_eps=EPS, stream=stream,
                  use_pdl=use_pdl)
 
+    # Ours reads its weights as a build stores them: in 64 x 64 blocks where the kernel that
+    # runs reads them (kernels/weight_blocks.py; w_blocked=0 in a tuning: row-major); cuBLAS
+    # reads the row-major copies.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocked_ws = [to_blocks(w) for w in t.ws]
+    default_blocked = int(gemm.reads_blocks(m, D, D, None, sms))
+
     def chain(use_pdl, with_res=True, cublas=False, **tuning):
+        in_blocks = tuning.pop("w_blocked", default_blocked) and not cublas
+        weights = blocked_ws if in_blocks else t.ws
+
         def run(stream):
             for i in range(LINKS):
                 if with_res:
                     res(i, stream, use_pdl)
-                w = t.ws[i % t.copies]
+                w = weights[i % t.copies]
                 if cublas:
                     torch.mm(t.xs[i], w.t(), out=t.ys[i + 1])
                 else:

@@ -118,16 +118,23 @@ def timeline(g, name: str, m: int, verbose: bool = True, tuning: dict | None = N
     and print its last timeline."""
     import torch
 
+    from graphc.kernels.weight_blocks import to_blocks
+
     k, n, e = bench_shapes()[name]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     copies = 6
+    knobs = dict(tuning or {})
+    # The weights in the order a build stores them (blocks where the stream-K kernel reads
+    # them), unless the knobs say w_blocked=0 / 1.
+    blocked = knobs.pop("w_blocked", int(g.reads_blocks(m, k, n, e, sms)))
     ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+    ws = [to_blocks(w) for w in ws] if blocked else ws
     xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
     outs = [torch.empty(m, n // 2 if e else n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    tuning = tuning or {}
-    cfg = g.GemmConfig(m, k, n, e, torch.cuda.get_device_properties(0).multi_processor_count, **tuning)
+    cfg = g.GemmConfig(m, k, n, e, sms, **knobs, **({"w_blocked": 1} if blocked else {}))
     for _ in range(3):
         for j in range(copies):
-            g.linear(xs[j], ws[j], outs[j], epilogue=e, **tuning)
+            g.linear(xs[j], ws[j], outs[j], epilogue=e, **knobs)
     torch.cuda.synchronize()
     return report(g, cfg, f"{name}:{m}", verbose)
 
@@ -214,7 +221,9 @@ def main() -> None:
     for name, m, tuning in cases:
         if precompile:
             k, n, e = shapes[name]
-            g.compile_cache().get(g.GemmConfig(m, k, n, e, 132, **tuning).key())
+            knobs = dict(tuning)
+            blocked = knobs.pop("w_blocked", int(g.reads_blocks(m, k, n, e, 132)))
+            g.compile_cache().get(g.GemmConfig(m, k, n, e, 132, **knobs, **({"w_blocked": 1} if blocked else {})).key())
             print(f"compiled {name}:{m} {tuning}")
         else:
             timeline(g, name, m, tuning=tuning)

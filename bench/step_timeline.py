@@ -27,11 +27,13 @@ def route_to_instrumented(g, targets: set[tuple]) -> None:
     """Make graphc's decode-GEMM launches of ``targets`` ((M, K, N, epilogue)) run the
     instrumented module ``g`` (graphc.ops.linear imports ``linear`` at each launch)."""
     import graphc.kernels.gemm as shipped
+    from graphc.kernels.weight_blocks import matrix_shape
 
     plain = shipped.linear
 
     def linear(x, weight, out, *, epilogue=None, **kw):
-        key = (x.shape[0], weight.shape[1], weight.shape[0], epilogue)
+        n, k = matrix_shape(weight)          # the weight may be stored in blocks (4-D)
+        key = (x.shape[0], k, n, epilogue)
         return (g.linear if key in targets else plain)(x, weight, out, epilogue=epilogue, **kw)
 
     shipped.linear = linear
@@ -53,7 +55,9 @@ def main() -> None:
     if args.precompile:
         for name in args.shapes:
             k, n, e = shapes[name]
-            g.compile_cache().get(g.GemmConfig(args.batch, k, n, e, 132).key())
+            # (the step stores these weights in blocks where this kernel reads them)
+            blocked = {"w_blocked": 1} if g.reads_blocks(args.batch, k, n, e, 132) else {}
+            g.compile_cache().get(g.GemmConfig(args.batch, k, n, e, 132, **blocked).key())
             print(f"compiled {name}:{args.batch}")
         return
 
