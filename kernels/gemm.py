@@ -271,9 +271,10 @@ class GemmConfig:
         # major [N, K], or kernels/weight_blocks.py's 64 x 64 blocks of 8 KB, each contiguous,
         # a row block's blocks in K order. Then one TMA box is one contiguous 8 KB read instead
         # of 64 rows' 128-byte pieces K*2 bytes apart: fewer DRAM row activations per byte,
-        # 2-7% faster at 1-64 rows on an H200 (bench/gemm_notes.md §33).
-        self.w_blocked = on_off_knob("w_blocked", w_blocked, False, block_k == K_ALIGN,
-                                     f"with block_k={K_ALIGN} (one block per TMA box)")
+        # 2-7% faster at 1-64 rows on an H200 (bench/gemm_notes.md §33). With block_k = 128 a
+        # half's box spans two blocks (a 3-D tensor map): tied at 8-16 rows, 1-4% slower at
+        # 32-64 (§33), so 64 stays the default here too.
+        self.w_blocked = on_off_knob("w_blocked", w_blocked, False, True, "")
         # Accumulator floats per thread per half (64 x mma_n over 128 threads).
         self.frag = HALF_ROWS * self.mma_n // 128
         # Workspace: two partial slots per CTA (its first and last segment can be partial).

@@ -73,6 +73,7 @@ TUNING_CASES = [
     (8, 8192, 7168, None, dict(w_blocked=1)),
     (64, 7168, 36864, "silu_mul", dict(w_blocked=1)),
     (37, 1024, 1536, None, dict(w_blocked=1)),
+    (32, 8192, 7168, None, dict(w_blocked=1, block_k=128)),   # two blocks per box (3-D)
     # Whole-K tiles (kernels/gemm_wide.py), the default for plain shapes at 128 and 231-256
     # rows when one wave of tiles fills the SMs: 64-row batch tiles, several tiles per CTA
     # (a persistent loop), a padded batch tile, forced at few rows, a shallow pipeline, pairs

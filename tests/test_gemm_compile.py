@@ -182,8 +182,6 @@ def test_tuning_knobs_round_trip_and_bounds():
     blocked = GemmConfig(8, 7168, 7168, w_blocked=1)
     assert GemmConfig.from_key(blocked.key()).w_blocked == 1 and "w_blocked=1" in repr(blocked)
     assert GemmConfig(8, 7168, 7168).w_blocked == 0
-    with pytest.raises(ValueError, match=r"w_blocked=1 unsupported here \(0, or 1 with block_k=64"):
-        GemmConfig(8, 7168, 7168, w_blocked=1, block_k=128)
 
 
 def test_split_reduction_paths():
@@ -415,10 +413,11 @@ def _check_ptx(ptx: str, cfg: GemmConfig) -> None:
     # 2026-11-30).
     tma = _tma_loads(ptx)
     assert tma, "no TMA load"
-    allowed = {("2d", 2)} | ({("4d", 4)} if cfg.w_blocked else set())
+    # (Blocked W with block_k = 128: one 3-D box per half, two blocks deep.)
+    allowed = {("2d", 2)} | ({("4d", 4), ("3d", 3)} if cfg.w_blocked else set())
     for dim, coords in tma:
         assert (dim, len(coords)) in allowed, f"TMA load .{dim} with coordinates {coords}"
-    assert any(dim == "4d" for dim, _ in tma) == bool(cfg.w_blocked)
+    assert any(dim != "2d" for dim, _ in tma) == bool(cfg.w_blocked)
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.mma_n}k16.f32.bf16.bf16" in ptx
     # Split-K reduction: an arrival counter; arrive first: release (fence + red) / acquire
     # (polling loads) of the publication; publish first: one acquire-release arrival. Partials
@@ -498,6 +497,7 @@ def test_ptx_other_shapes(m, k, n, epilogue):
     (1, 18432, 7168, None, dict(trigger_at=3)),        # ... at exit (none in the code)
     (8, 8192, 7168, None, dict(w_blocked=1)),          # W in 8 KB blocks: 4-D W boxes
     (64, 7168, 36864, "silu_mul", dict(w_blocked=1)),
+    (32, 8192, 7168, None, dict(w_blocked=1, block_k=128)),
 ])
 def test_ptx_tuning_variants(m, k, n, epilogue, tuning):
     cfg = GemmConfig(m, k, n, epilogue, **tuning)
