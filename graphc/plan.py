@@ -1,5 +1,9 @@
 """Static memory for a schedule: every buffer, every weight, bound to every kernel.
 
+Weights are bound as stored (``Weights``): row-major, or in 64 x 64 blocks for the weights only
+the decode GEMM's stream-K kernel reads at every captured batch size (``blocked_weights``, the
+build's choice; ``check_weight_orders`` refuses a build whose kernels could not read them).
+
 One set of buffers is allocated for the largest batch size; a smaller batch uses the first
 rows of each (so all captured graphs share memory and a replay at any size sees the same
 KV cache). Activations whose lifetimes do not overlap share a slab. The KV cache has one
