@@ -198,7 +198,9 @@ def report(g, cfg, label: str, verbose: bool = True) -> dict:
     for r, name in ((1, "contributors"), (2, "reducers")):
         sel = last_split & (role == r)
         print(f"  {name:12s} ({int(sel.sum())}): last k-block->arrived {q((arrived - loop_end)[sel])}")
-        if r == 1 and not cfg.publish_first:      # publishing first, it published before arriving
+        if r == 1 and cfg.publish_first:          # it published before arriving: no later stamp
+            print(f"  {'':12s}       (publish first: the partial was written before the arrival)")
+        elif r == 1:
             print(f"  {'':12s}       arrived->published {q((ready - arrived)[sel])}, published->end {q((end - ready)[sel])}")
         else:
             print(f"  {'':12s}       arrived->partials ready {q((ready - arrived)[sel])}, ready->summed "
