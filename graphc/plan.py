@@ -145,6 +145,18 @@ def blocked_weights(schedules: Mapping[int, Schedule], sms: int) -> set[str]:
             if weight_blocks.blockable(shape) and all(_reads_blocks(k, batch, sms) for batch, k in readers)}
 
 
+def row_major_for_some_sizes(schedules: Mapping[int, Schedule], sms: int) -> dict[str, tuple[int, object]]:
+    """Weight name -> (batch size, kernel) of its first row-major reader, for the weights that
+    the decode GEMM reads in blocks at some captured sizes but another kernel reads row-major
+    at others: what ``blocked_weights`` keeps row-major at every size (a build says so)."""
+    kept = {}
+    for name, (shape, readers) in weight_readers(schedules).items():
+        rows = [(batch, k) for batch, k in readers if not _reads_blocks(k, batch, sms)]
+        if rows and len(rows) < len(readers) and weight_blocks.blockable(shape):
+            kept[name] = rows[0]
+    return kept
+
+
 def check_weight_orders(schedules: Mapping[int, Schedule], weights: Weights, sms: int) -> None:
     """Refuse a build whose kernels cannot read the weights in the order they are stored: a
     weight in blocks that some kernel reads row-major (a ``Weights`` object that another

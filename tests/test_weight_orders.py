@@ -16,7 +16,7 @@ pytest.importorskip("cutlass")
 from graphc.errors import GraphcError  # noqa: E402
 from graphc.graph import build_graph, weight_shapes  # noqa: E402
 from graphc.kernels import weight_blocks  # noqa: E402
-from graphc.plan import blocked_weights, check_weight_orders  # noqa: E402
+from graphc.plan import blocked_weights, check_weight_orders, row_major_for_some_sizes  # noqa: E402
 from graphc.schedule import build_schedule  # noqa: E402
 from graphc.spec import load_spec, parse_spec  # noqa: E402
 from graphc.weights import Weights  # noqa: E402
@@ -48,6 +48,11 @@ def test_a_weight_cublas_reads_anywhere_stays_row_major():
     s, graph = schedules(KIMI_8L, [1, 8, 128])
     assert s[128].implementations()["L00.attn.qkv"] == "cublas"
     assert blocked_weights(s, SMS) == set()
+    kept = row_major_for_some_sizes(s, SMS)         # what the build tells the user
+    assert set(kept) == linear_weights(graph, "qkv", "o_proj", "gate_up", "down", "lm_head")
+    batch, kernel = kept["L00.attn.qkv.weight"]
+    assert (batch, kernel.node, kernel.impl) == (128, "L00.attn.qkv", "cublas")
+    assert row_major_for_some_sizes(schedules(KIMI_8L, [1, 8])[0], SMS) == {}
     s, graph = schedules(KIMI_8L, [1, 8], {"L00.attn.qkv": "cublas"})
     every = linear_weights(graph, "qkv", "o_proj", "gate_up", "down", "lm_head")
     assert blocked_weights(s, SMS) == every - {"L00.attn.qkv.weight"}
@@ -124,3 +129,30 @@ def test_linear_reference_reads_blocks():
     op.reference({"x": x, "out": rows}, {"weight": w})
     op.reference({"x": x, "out": blocks}, {"weight": weight_blocks.to_blocks(w)})
     assert torch.equal(rows, blocks)
+
+
+def test_a_gpu_build_says_which_weights_a_large_size_keeps_row_major(monkeypatch):
+    """graphc/runtime.py's choice for a GPU build, without a GPU (the SM count stubbed): the
+    progress line names a kernel that keeps the weights row-major, and block_weights=False
+    blocks nothing."""
+    from graphc import runtime
+
+    monkeypatch.setattr(runtime, "_sm_count", lambda dev: SMS)
+    cuda = torch.device("cuda")
+    heard = []
+    s, graph = schedules(KIMI_8L, [1, 8, 128])
+    assert runtime._weights_in_blocks(s, cuda, None, True, heard.append) == set()
+    assert len(heard) == 1 and heard[0].startswith("33 weights stay row-major at every batch size")
+    assert "runs cublas at batch 128" in heard[0]
+    s, graph = schedules(KIMI_8L, [1, 8])
+    heard.clear()
+    assert len(runtime._weights_in_blocks(s, cuda, None, True, heard.append)) == 33 and heard == []
+    assert runtime._weights_in_blocks(s, cuda, None, False, heard.append) == set()
+    # A shared Weights: what it already holds in blocks counts; what a build reads as rows stays.
+    spec, weights = tiny_weights()
+    s, graph = schedules(spec, [1, 4])
+    weights.store_blocked({"L00.attn.qkv.weight"})
+    weights.pinned_rows.add("L01.mlp.down.weight")
+    chosen = runtime._weights_in_blocks(s, cuda, weights, True, heard.append)
+    assert "L00.attn.qkv.weight" in chosen and "L01.mlp.down.weight" not in chosen
+    assert runtime._weights_in_blocks(s, torch.device("cpu"), None, True, heard.append) == set()
