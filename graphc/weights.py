@@ -101,7 +101,8 @@ class Weights:
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: self.matrix(k).contiguous().cpu() for k in self.tensors}, str(path))
+        # Files hold [N, K]: blocks are put back in rows on the host (no GPU copy of a weight).
+        save_file({k: weight_blocks.as_matrix(v.cpu()).contiguous() for k, v in self.tensors.items()}, str(path))
 
 
 # safetensors' dtype names -> torch's, for error messages.
