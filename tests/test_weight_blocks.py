@@ -28,6 +28,7 @@ def test_round_trip_and_shapes():
     assert wb.matrix_shape(blocks) == wb.matrix_shape(w) == (128, 320)
     assert torch.equal(wb.to_matrix(blocks), w) and torch.equal(wb.as_matrix(blocks), w)
     assert wb.as_matrix(w) is w
+    assert torch.equal(wb.as_float_matrix(blocks), w.float()) and torch.equal(wb.as_float_matrix(w), w.float())
     assert wb.blockable((128, 320)) and not wb.blockable((100, 320)) and not wb.blockable((128,))
 
 

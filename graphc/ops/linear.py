@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import GraphcError
-from ..kernels.weight_blocks import as_matrix, is_blocked
+from ..kernels.weight_blocks import as_float_matrix, is_blocked
 from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits, write_output
 
 
@@ -156,8 +156,8 @@ class LinearOp(Op):
         # silu_mul the activation is applied to the fp32 projection, as the decode GEMM's
         # epilogue does; the cuBLAS path rounds the projection to bf16 first (one more
         # rounding, within an ulp of the projection).
-        # (A weight stored in blocks is put back in rows first: one more pass over it.)
-        y = t["x"].float() @ as_matrix(w["weight"]).float().t()
+        # (A weight stored in blocks is put back in rows by the same pass that converts it.)
+        y = t["x"].float() @ as_float_matrix(w["weight"]).t()
         if self.epilogue is None:
             write_output(t["out"], y)
         else:
