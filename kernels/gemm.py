@@ -276,7 +276,8 @@ class GemmConfig:
         # 2-7% faster at 1-64 rows on an H200 (bench/gemm_notes.md §33). With block_k = 128 a
         # half's box spans two blocks (a 3-D tensor map): tied at 8-16 rows, 1-4% slower at
         # 32-64 (§33), so 64 stays the default here too.
-        self.w_blocked = on_off_knob("w_blocked", w_blocked, False, True, "")
+        self.w_blocked = on_off_knob("w_blocked", w_blocked, False, True,
+                                     "with W given as its blocks (kernels/weight_blocks.py)")
         # Accumulator floats per thread per half (64 x mma_n over 128 threads).
         self.frag = HALF_ROWS * self.mma_n // 128
         # Workspace: two partial slots per CTA (its first and last segment can be partial).

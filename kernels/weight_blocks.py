@@ -61,26 +61,23 @@ def to_blocks_(matrix: torch.Tensor) -> torch.Tensor:
     return blocks
 
 
-def to_matrix(blocks: torch.Tensor) -> torch.Tensor:
-    """[N/64, K/64, 64, 64] blocks -> a new contiguous W [N, K]."""
+def to_matrix(blocks: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[N/64, K/64, 64, 64] blocks -> a new contiguous W [N, K], in ``dtype`` (default the
+    blocks'): the reorder and the conversion are one copy."""
     if blocks.dim() != 4 or blocks.shape[2:] != (BLOCK, BLOCK):
         raise ValueError(f"blocked weight must have shape [N/{BLOCK}, K/{BLOCK}, {BLOCK}, {BLOCK}], "
                          f"got {list(blocks.shape)}")
     nb, kb = blocks.shape[:2]
-    return blocks.permute(0, 2, 1, 3).reshape(nb * BLOCK, kb * BLOCK).contiguous()
+    out = torch.empty(nb * BLOCK, kb * BLOCK, dtype=dtype or blocks.dtype, device=blocks.device)
+    out.view(nb, BLOCK, kb, BLOCK).copy_(blocks.permute(0, 2, 1, 3))
+    return out
 
 
 def as_float_matrix(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as an fp32 W [N, K] (a new tensor), in one pass over it in either order: a
-    row-major weight's ``float()``, or blocks permuted and converted in the same copy. The
+    """The weight as an fp32 W [N, K] (a new tensor), in one pass over it in either order. The
     torch reference multiplies this, so it costs that reference no more with blocks than
     without (graphc bench times the reference as a baseline)."""
-    if not is_blocked(weight):
-        return weight.float()
-    nb, kb = weight.shape[:2]
-    out = torch.empty(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=weight.device)
-    out.view(nb, BLOCK, kb, BLOCK).copy_(weight.permute(0, 2, 1, 3))
-    return out
+    return to_matrix(weight, torch.float32) if is_blocked(weight) else weight.float()
 
 
 def matrix_shape(weight: torch.Tensor) -> tuple[int, int]:
