@@ -31,8 +31,9 @@ depend on their place in the row by up to 10-20% on a power-capped board (§22, 
 
 Since session 26 ours reads its weights as a graphc build stores them: in 64 x 64 blocks
 (kernels/weight_blocks.py) where the kernel that runs reads them (``gemm.reads_blocks``: the
-stream-K kernel, 2-7% faster from them, bench/gemm_notes.md §33), else row-major; cuBLAS reads
-row-major copies. ``--tunings w_blocked=0`` times ours on row-major weights beside it.
+stream-K kernel since session 26, 2-7% faster from them, bench/gemm_notes.md §33; the whole-K
+tiles since session 27, §34), else row-major; cuBLAS reads row-major copies. ``--tunings
+w_blocked=0`` times ours on row-major weights beside it.
 
 Runtime: ~3 compiles per (shape, M) (a few seconds each) plus ~1 s of timing; the default
 16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml.
@@ -161,9 +162,9 @@ def parse_tunings(text: str) -> list[tuple[str, dict]]:
 
 
 def reads_blocks_with(m: int, k: int, n: int, epilogue, knobs: dict) -> bool:
-    """Whether the kernel these knobs select reads weights in blocks (the stream-K kernel at
-    block_k = 64: not the whole-K tiles, not block_k = 128). A variant without w_blocked reads
-    them so when the default does and it can; otherwise row-major."""
+    """Whether the kernel these knobs select can read weights in blocks (``plan`` accepts
+    w_blocked=1 with them). A variant without w_blocked reads them so when the default does and
+    it can; otherwise row-major."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     try:
         gemm.plan(m, k, n, epilogue, **{"ctas": sms, **knobs, "w_blocked": 1})

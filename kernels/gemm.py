@@ -102,7 +102,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from . import gemm_wide, smem_pipeline, weight_blocks
 from .compile_cache import CompileCache
 from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, on_off_knob, peers_done,
-                            pipeline_stages, release_stage, tma_load, tma_load_op)
+                            pipeline_stages, release_stage, tma_load, tma_load_op, w_global_layout)
 
 # PDL traits of this op, read by the scheduler (DESIGN §4).
 PROLOGUE_INPUTS = ("weight",)
@@ -485,13 +485,8 @@ class DecodeGemmKernel:
             cute.make_ptr(BFloat16, x_addr, gmem, assumed_align=16),
             cute.make_layout((x_rows, cfg.k), stride=(cfg.k, 1)),
         )
-        w_layout = cute.make_layout((cfg.n, cfg.k), stride=(cfg.k, 1))
-        if const_expr(cfg.w_blocked):
-            # (row in block, row block) x (k in block, k block): weight_blocks.to_blocks' order.
-            w_layout = cute.make_layout(
-                ((HALF_ROWS, cfg.n // HALF_ROWS), (K_ALIGN, cfg.k // K_ALIGN)),
-                stride=((K_ALIGN, HALF_ROWS * cfg.k), (1, HALF_ROWS * K_ALIGN)))
-        mW = cute.make_tensor(cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16), w_layout)
+        mW = cute.make_tensor(cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16),
+                              w_global_layout(cfg.n, cfg.k, cfg.w_blocked))
         mY = cute.make_tensor(
             cute.make_ptr(BFloat16, y_addr, gmem, assumed_align=16),
             # Dynamic row count too: no static size-1 batch mode anywhere (the epilogue's mask
@@ -1286,7 +1281,8 @@ def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAUL
     (``gemm_wide.default_applies``, which asks less of them where the stream-K kernel would
     split K). ``tuning``: ``wide`` (0 / 1: force one kernel), knobs of
     TUNING_KNOBS (which imply the stream-K kernel) or of gemm_wide.TUNING_KNOBS (which imply
-    the whole-K one; ``stages``, ``cluster`` and ``x_trim`` belong to both and imply neither)."""
+    the whole-K one; ``stages``, ``cluster``, ``x_trim`` and ``w_blocked`` belong to both and
+    imply neither)."""
     wide = tuning.pop("wide", None)
     stream_k_knobs = set(tuning) - set(gemm_wide.TUNING_KNOBS)
     wide_only_knobs = set(tuning) - set(TUNING_KNOBS)
@@ -1320,11 +1316,13 @@ def cache_of(cfg):
 
 
 def reads_blocks(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS) -> bool:
-    """Whether the kernel ``linear`` runs by default for this call can read the weight in
-    blocks (kernels/weight_blocks.py) at no cost: the stream-K kernel can, the whole-K tiles
-    of gemm_wide.py (from 116 rows on some shapes) cannot. A build stores a weight in blocks
-    only where this holds for every batch size it captures (graphc/plan.py)."""
-    return isinstance(_config(m, k, n, epilogue, ctas, ()), GemmConfig)
+    """Whether the kernel ``linear`` runs by default for this call reads the weight in blocks
+    (kernels/weight_blocks.py) as well as in rows. Both of ``plan``'s kernels do, at every M
+    (the stream-K one in 64-row boxes, the whole-K tiles of gemm_wide.py in 16-row pieces),
+    wherever the weight can be stored in blocks; the arguments are those of every other
+    per-call question to the plan. A build stores a weight in blocks only where every reader
+    of it reads blocks at every batch size it captures (graphc/plan.py)."""
+    return weight_blocks.blockable((n, k))
 
 
 def compiled_variant(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS,
@@ -1410,8 +1408,7 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
     outside capture for this shape (that first call allocates the split-K workspace or loads
     the kernel).
     ``weight`` is W [N, K] row-major or, faster, its blocks from kernels/weight_blocks.py
-    (``to_blocks``), which only the stream-K kernel reads: with blocks it runs at every M, also
-    where ``plan`` would pick the whole-K tiles (``reads_blocks`` says where it does anyway).
+    (``to_blocks``), which both of ``plan``'s kernels read.
     ``ctas`` (the persistent grid; None: one CTA per SM) and ``tuning`` (``plan``'s knobs) are
     for the benchmark (bench/gemm.py); leave them unset. Which kernel runs: ``plan``."""
     import torch
@@ -1421,7 +1418,7 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
     if "w_blocked" in tuning:
         raise ValueError("linear: w_blocked follows from the weight's shape (4-D: blocks); do not pass it")
     if weight_blocks.is_blocked(weight):
-        tuning = {**tuning, "w_blocked": 1}     # a stream-K knob: blocks run the stream-K kernel
+        tuning = {**tuning, "w_blocked": 1}     # a knob of both kernels: it does not change the plan
     cfg = _config(m, k, n, epilogue, ctas or _sm_count(device), tuple(sorted(tuning.items())))
     if stream is None:
         stream = torch.cuda.current_stream(device)

@@ -61,20 +61,25 @@ from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from . import smem_pipeline
+from . import smem_pipeline, weight_blocks
 from .compile_cache import CompileCache
 from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, on_off_knob, peers_done,
-                            pipeline_stages, release_stage, tma_load, tma_load_op)
+                            pipeline_stages, release_stage, row_pieces_layout, tma_load, tma_load_op,
+                            w_global_layout)
 
 # PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
 PROLOGUE_INPUTS = ("weight",)
 WAITS = True
 TRIGGER = "early"
 
-TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_trim")
+TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_trim", "w_blocked")
 BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
 WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
 N_TILE_STEP = 16           # wgmma N steps of 8; CuTe DSL 4.8.1 needs an even number of 8-row atoms
+# With W in 64 x 64 blocks (``w_blocked``) a W tile (n_tile rows, any multiple of 16 from any
+# multiple of 16) need not sit inside whole blocks, so its stage is loaded as pieces of this
+# many rows: each one contiguous 2 KB of a block, whichever block it falls in.
+W_PIECE_ROWS = N_TILE_STEP
 MAX_N_TILE = 256           # wgmma's largest N
 FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more of the waves idle
 # When kernels/gemm.py's ``linear`` runs this kernel by default: plain shapes from WIDE_MIN_M
@@ -112,7 +117,7 @@ class WideGemmConfig:
 
     def __init__(self, m: int, k: int, n: int, ctas: int, *, batch_tile: int | None = None,
                  n_tile: int | None = None, stages: int | None = None, cluster: int | None = None,
-                 x_trim: int | None = None):
+                 x_trim: int | None = None, w_blocked: int | None = None):
         if not (1 <= m and k > 0 and k % BLOCK_K == 0 and n > 0 and n % N_TILE_STEP == 0):
             raise ValueError(f"wide decode GEMM: M={m}, K={k}, N={n} unsupported (K a multiple of "
                              f"{BLOCK_K}, N of {N_TILE_STEP})")
@@ -176,6 +181,12 @@ class WideGemmConfig:
                                   f"below 48 rows ({self.m}) without x shared in pairs")
         self.x_box_rows = _ceil_div(self.m, N_TILE_STEP) * N_TILE_STEP if self.x_trim else WG_ROWS
         self.w_stage_bytes = self.n_tile * BLOCK_K * 2
+        # W's memory order: row-major [N, K], or kernels/weight_blocks.py's 64 x 64 blocks
+        # (``linear`` sets it from the weight's shape), loaded in W_PIECE_ROWS-row pieces.
+        self.w_blocked = on_off_knob("w_blocked", w_blocked, False, self.n % weight_blocks.BLOCK == 0,
+                                     f"with W given as its blocks (kernels/weight_blocks.py; N={self.n} "
+                                     f"a multiple of {weight_blocks.BLOCK})")
+        self.w_pieces = self.n_tile // W_PIECE_ROWS if self.w_blocked else 1
         # Shared memory per stage (64-row x buffers), and what TMA delivers into it.
         self.stage_bytes = self.wgs * WG_ROWS * BLOCK_K * 2 + self.w_stage_bytes
         self.stage_tx_bytes = self.wgs * self.x_box_rows * BLOCK_K * 2 + self.w_stage_bytes
@@ -223,7 +234,7 @@ class WideGemmConfig:
                 f"tile={self.batch_tile}x{self.n_tile}, tiles={self.batch_tiles}x{self.n_tiles}, "
                 f"wave_fill={self.wave_fill(self.m, self.n, self.sms, self.batch_tile, self.n_tile):.2f}, "
                 f"k_blocks={self.k_blocks}, stages={self.stages}, cluster={self.cluster}"
-                + (", x_trim=1" if self.x_trim else "") + ")")
+                + (", x_trim=1" if self.x_trim else "") + (", w_blocked=1" if self.w_blocked else "") + ")")
 
 
 def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_split: bool = False) -> bool:
@@ -258,7 +269,7 @@ class WideGemmKernel:
         mX = cute.make_tensor(cute.make_ptr(BFloat16, x_addr, gmem, assumed_align=16),
                               cute.make_layout((x_rows, cfg.k), stride=(cfg.k, 1)))
         mW = cute.make_tensor(cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16),
-                              cute.make_layout((cfg.n, cfg.k), stride=(cfg.k, 1)))
+                              w_global_layout(cfg.n, cfg.k, cfg.w_blocked))
         mY = cute.make_tensor(cute.make_ptr(BFloat16, y_addr, gmem, assumed_align=16),
                               cute.make_layout((x_rows, cfg.n), stride=(cfg.n, 1)))
 
@@ -277,8 +288,16 @@ class WideGemmKernel:
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
             tma_load_op(x_mcast), mX, cute.slice_(sX_box_layout, (None, None, 0)), (cfg.x_box_rows, BLOCK_K),
             num_multicast=x_mcast)
-        tma_w, mW_tma = cpasync.make_tiled_tma_atom(
-            tma_load_op(w_mcast), mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K), num_multicast=w_mcast)
+        if const_expr(cfg.w_blocked):
+            # One piece per box, each multicast whole (a half piece would be one 8-row
+            # swizzle atom, which CuTe DSL 4.8.1 cannot make a box of).
+            tma_w, mW_tma = cpasync.make_tiled_tma_atom(
+                tma_load_op(w_mcast), mW, cute.slice_(row_pieces_layout(sW_layout, W_PIECE_ROWS), (None, None, 0)),
+                (W_PIECE_ROWS, BLOCK_K), num_multicast=1)
+        else:
+            tma_w, mW_tma = cpasync.make_tiled_tma_atom(
+                tma_load_op(w_mcast), mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K),
+                num_multicast=w_mcast)
 
         @cute.struct
         class SharedStorage:
@@ -315,6 +334,10 @@ class WideGemmKernel:
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
         sX_box = storage.sX.get_tensor(first_rows_layout(sX_layout, cfg.x_box_rows).outer, swizzle=sX_layout.inner)
         sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+        # What the W loads fill: the stage buffers, or with W in blocks their pieces.
+        sW_load = sW
+        if const_expr(cfg.w_blocked):
+            sW_load = storage.sW.get_tensor(row_pieces_layout(sW_layout, W_PIECE_ROWS).outer, swizzle=sW_layout.inner)
         if warp == cfg.producer_warp:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(cfg.stages):
@@ -329,7 +352,7 @@ class WideGemmKernel:
         # Tiles cta, cta + ctas, ...: this CTA's number of them.
         n_local = (cfg.tiles - 1 - cta) // cfg.ctas + 1
         if warp == cfg.producer_warp:
-            self.producer(tma_x, mX_tma, tma_w, mW_tma, sX_box, sW, full, empty, cta, rank, n_local * cfg.k_blocks)
+            self.producer(tma_x, mX_tma, tma_w, mW_tma, sX_box, sW_load, full, empty, cta, rank, n_local * cfg.k_blocks)
         else:
             cute.arch.griddepcontrol_wait()      # y is written only after the previous kernel
             self.consumer(tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane)
@@ -358,12 +381,19 @@ class WideGemmKernel:
 
     @cute.jit
     def producer(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters):
-        """``sX``: the x buffers as TMA fills them (their first ``x_box_rows`` rows)."""
+        """``sX``: the x buffers as TMA fills them (their first ``x_box_rows`` rows); ``sW``: the
+        W buffers as TMA fills them (whole, or in pieces with W in blocks)."""
         cfg = self.cfg
-        gW = cute.local_tile(mW_tma, (cfg.n_tile, BLOCK_K), (None, None))
         w_mcast = cfg.w_multicast
-        tWsW, tWgW = cpasync.tma_partition(   # sharing W in a pair: this CTA's half of the rows
-            tma_w, rank % w_mcast, cute.make_layout(w_mcast), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        if const_expr(cfg.w_blocked):
+            # (piece rows, K) boxes; the buffers' index is (piece, stage).
+            gW = cute.local_tile(mW_tma, (W_PIECE_ROWS, BLOCK_K), (None, None))
+            tWsW, tWgW = cpasync.tma_partition(
+                tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        else:
+            gW = cute.local_tile(mW_tma, (cfg.n_tile, BLOCK_K), (None, None))
+            tWsW, tWgW = cpasync.tma_partition(   # sharing W in a pair: this CTA's half of the rows
+                tma_w, rank % w_mcast, cute.make_layout(w_mcast), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
         evict_first = Int64(EVICT_FIRST)
 
         # Before the PDL wait: W only, into the fresh stages, each barrier armed with the
@@ -372,7 +402,7 @@ class WideGemmKernel:
         for i in cutlass.range(n_pre, unroll=1):
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
-            self.load_w(tma_w, tWgW, tWsW, cta, i, i, full + i, evict_first)
+            self.load_w(tma_w, tWgW, tWsW, cta, rank, i, i, full + i, evict_first)
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(n_pre, unroll=1):
             self.load_x(tma_x, mX_tma, sX, cta, rank, i, i, full + i)
@@ -381,17 +411,26 @@ class WideGemmKernel:
             cute.arch.mbarrier_wait(empty + s, ((i // cfg.stages) % 2) ^ 1)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_tx_bytes)
-            self.load_w(tma_w, tWgW, tWsW, cta, i, s, full + s, evict_first)
+            self.load_w(tma_w, tWgW, tWsW, cta, rank, i, s, full + s, evict_first)
             self.load_x(tma_x, mX_tma, sX, cta, rank, i, s, full + s)
 
     @cute.jit
-    def load_w(self, tma_w, tWgW, tWsW, cta, i: Int32, stage: Int32, bar, evict_first: Int64):
-        """TMA of this CTA's iteration i's W box (its tile's n_tile rows, its k-block)."""
+    def load_w(self, tma_w, tWgW, tWsW, cta, rank, i: Int32, stage: Int32, bar, evict_first: Int64):
+        """TMA of this CTA's iteration i's W (its tile's n_tile rows, its k-block): one box, or
+        with W in blocks its pieces; sharing W in a pair, this CTA's half of the rows (of the
+        pieces: the even or the odd ones), multicast to both."""
         cfg = self.cfg
         local = i // cfg.k_blocks
         n_blk, _ = self.tile_coords(cta, local)
-        tma_load(tma_w, tWgW[(None, n_blk, i - local * cfg.k_blocks)], tWsW[(None, stage)], bar,
-                 cfg.w_multicast, cache_policy=evict_first)
+        kb = i - local * cfg.k_blocks
+        if const_expr(cfg.w_blocked):
+            for p in cutlass.range_constexpr(cfg.w_pieces):
+                if p % cfg.w_multicast == rank % cfg.w_multicast:
+                    tma_load(tma_w, tWgW[(None, n_blk * cfg.w_pieces + p, kb)], tWsW[(None, (p, stage))], bar,
+                             cfg.w_multicast, cache_policy=evict_first)
+        else:
+            tma_load(tma_w, tWgW[(None, n_blk, kb)], tWsW[(None, stage)], bar,
+                     cfg.w_multicast, cache_policy=evict_first)
 
     @cute.jit
     def load_x(self, tma_x, mX_tma, sX, cta, rank, i: Int32, stage: Int32, bar):

@@ -11,6 +11,8 @@ import cutlass.cute as cute
 from cutlass import Int16, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from . import weight_blocks
+
 SMEM_BUDGET = 200 * 1024   # default depth: leaves room on the SM for a PDL dependent's CTAs
 SMEM_MAX = 220 * 1024      # the ``stages`` knob: under the 227 KB an sm_90 CTA may use (barriers, alignment)
 MAX_STAGES = 16
@@ -60,6 +62,30 @@ def first_rows_layout(buffers, rows: int):
     outer = buffers.outer
     return cute.make_composed_layout(
         buffers.inner, 0, cute.make_layout(((8, rows // 8), *outer.shape[1:]), stride=outer.stride))
+
+
+def row_pieces_layout(buffers, rows: int):
+    """Every buffer of ``buffers`` (a 128B-swizzled K-major (rows, K, buffer) layout) cut into
+    pieces of ``rows`` rows (whole 8-row swizzle atoms): a (rows, K, (piece, buffer)) layout
+    over the same bytes. The swizzle follows the shared-memory address, so a box landing in a
+    piece is laid out as if the whole buffer had been one box."""
+    outer = buffers.outer
+    (atom_rows, atoms), k_mode, (one, n_buffers) = outer.shape
+    (row_stride, atom_stride), k_stride, (_, buffer_stride) = outer.stride
+    per_piece = rows // atom_rows
+    return cute.make_composed_layout(
+        buffers.inner, 0, cute.make_layout(
+            ((atom_rows, per_piece), k_mode, (atoms // per_piece, n_buffers)),
+            stride=((row_stride, atom_stride), k_stride, (atom_stride * per_piece, buffer_stride))))
+
+
+def w_global_layout(n: int, k: int, blocked: bool):
+    """W's (n, k) layout in global memory: row-major [N, K], or kernels/weight_blocks.py's
+    [N/64, K/64, 64, 64] blocks, as ((row in block, row block), (k in block, k block))."""
+    if not blocked:
+        return cute.make_layout((n, k), stride=(k, 1))
+    b = weight_blocks.BLOCK
+    return cute.make_layout(((b, n // b), (b, k // b)), stride=((b, b * k), (1, b * b)))
 
 
 def tma_load_op(multicast: int):

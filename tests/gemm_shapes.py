@@ -100,6 +100,16 @@ TUNING_CASES = [
     (32, 8192, 7168, None, dict(wide=1, cluster=2)),
     (64, 1024, 36864, None, dict(wide=1, n_tile=64)),
     (128, 7168, 10240, None, dict(wide=1, cluster=2)),
+    # Whole-K tiles on W's blocks, loaded in 16-row pieces (2 KB each, from any row of a
+    # block): pieces shared by a pair (7, an odd number, split even / odd), one piece per
+    # tile, a tile straddling blocks (80 rows from row 80), several tiles per CTA, x pairs.
+    (256, 8192, 7168, None, dict(wide=1, w_blocked=1)),
+    (200, 1024, 4096, None, dict(wide=1, n_tile=16, w_blocked=1)),
+    (128, 7168, 10240, None, dict(wide=1, w_blocked=1)),
+    (3, 2816, 1024, None, dict(wide=1, batch_tile=128, n_tile=64, w_blocked=1)),
+    (64, 1024, 36864, None, dict(wide=1, n_tile=64, cluster=2, w_blocked=1)),
+    (160, 8192, 7168, None, dict(wide=1, w_blocked=1)),
+    (8, 8192, 7168, None, dict(wide=1, w_blocked=1)),
     (256, 8192, 7168, None, dict(wide=0)),            # one 64-row unit per CTA, mma_n 256
     (256, 7168, 10240, None, dict(wide=0)),
     # One 64-row unit per CTA over the whole of K (the stream-K kernel's default for o_proj

@@ -777,6 +777,39 @@ def test_wide_ptx(m, k, n, tuning):
     assert ("mbarrier.arrive.shared::cluster" in ptx) == (cfg.cluster == 2)
 
 
+@pytest.mark.parametrize("m, k, n, tuning", [
+    (256, 8192, 7168, {}),                    # 7 pieces shared by a pair of CTAs
+    (128, 7168, 10240, {}),                   # 5 pieces, no pairs
+    (200, 1024, 4096, {"n_tile": 16}),        # one piece, shared by a pair
+    (128, 7168, 163840, {}),                  # 16 pieces; pairs share x instead
+])
+def test_wide_ptx_w_blocked(m, k, n, tuning):
+    """With W in 64 x 64 blocks the whole-K tiles load each stage's W as n_tile / 16 pieces of
+    16 rows, each a 4-D box (row and K within a block, block row and column), all before the
+    PDL wait in the prologue; x stays 2-D. In a pair sharing W, each piece is multicast."""
+    cfg = gemm.plan(m, k, n, None, 132, wide=1, w_blocked=1, **tuning)
+    assert cfg.w_pieces == cfg.n_tile // 16
+    ptx = _wide_ptx(cfg)
+    wait = ptx.index("griddepcontrol.wait")
+    tma = _tma_loads(ptx)
+    prologue = _tma_loads(ptx[:wait])
+    assert [dim for dim, _ in prologue] == ["4d"] * cfg.w_pieces
+    assert {dim for dim, _ in tma} == {"2d", "4d"} and all(len(c) == int(d[0]) for d, c in tma)
+    w_loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.4d" in line]
+    assert len(w_loads) == 2 * cfg.w_pieces     # the prologue's and the main loop's
+    assert all(("multicast::cluster" in line) == (cfg.pair_shares == "w") for line in w_loads)
+
+
+def test_w_blocked_is_a_knob_of_both_kernels():
+    """Blocks do not change which kernel runs; both read them wherever N and K are whole blocks."""
+    for m in (1, 64, 128, 200, 256):
+        rows, blocks = gemm.plan(m, 8192, 7168, None, 132), gemm.plan(m, 8192, 7168, None, 132, w_blocked=1)
+        assert type(rows) is type(blocks) and blocks.w_blocked == 1 and rows.w_blocked == 0
+        assert gemm.reads_blocks(m, 8192, 7168)
+    assert isinstance(gemm.plan(256, 8192, 7168, None, 132, w_blocked=1), WideGemmConfig)
+    assert not gemm.reads_blocks(8, 1000, 1024)
+
+
 def _wide_ptx(cfg) -> str:
     import tempfile
 
