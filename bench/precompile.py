@@ -101,7 +101,7 @@ def gemm_configs(extra_tunings=(), extra_ms=(), lean: bool = False) -> list[tupl
     for k, n, e in sorted(set(SPEC_SHAPES) | spec_linear_shapes(), key=str):
         for m in STEP_BATCH_SIZES + ((24, 32, 64) if lean else ()):
             # Row-major weights, and the 64 x 64 blocks a build stores where only the
-            # stream-K kernel reads them (graphc/plan.py blocked_weights).
+            # decode GEMM reads them (graphc/plan.py blocked_weights).
             wanted += [(m, k, n, e, {}), (m, k, n, e, {"w_blocked": 1})]
     for _, k, n, e in BENCH_SHAPES:                  # bench/gemm.py --m ... --tunings: each row
         for m in extra_ms:                           # times the default and the given tunings

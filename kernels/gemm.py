@@ -1282,7 +1282,8 @@ def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAUL
     split K). ``tuning``: ``wide`` (0 / 1: force one kernel), knobs of
     TUNING_KNOBS (which imply the stream-K kernel) or of gemm_wide.TUNING_KNOBS (which imply
     the whole-K one; ``stages``, ``cluster``, ``x_trim`` and ``w_blocked`` belong to both and
-    imply neither)."""
+    imply neither, though with W in blocks the whole-K tiles are the default at fewer shapes:
+    ``gemm_wide.default_applies``)."""
     wide = tuning.pop("wide", None)
     stream_k_knobs = set(tuning) - set(gemm_wide.TUNING_KNOBS)
     wide_only_knobs = set(tuning) - set(TUNING_KNOBS)
@@ -1295,7 +1296,8 @@ def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAUL
             # bench/gemm_notes.md §23); above, the tiles take the rows where their own rule
             # holds (down at 256: 114.5 against 126.6 µs for the units).
             if not (default.unit_per_cta and m <= gemm_wide.MAX_BATCH_TILE):
-                wide = int(gemm_wide.default_applies(m, n, epilogue, ctas, against_split=default.max_segs > 1))
+                wide = int(gemm_wide.default_applies(m, n, epilogue, ctas, against_split=default.max_segs > 1,
+                                                     w_blocked=bool(tuning.get("w_blocked"))))
     if wide not in (0, 1):
         raise ValueError(f"wide={wide} unsupported: 0 or 1")
     if wide:
@@ -1418,7 +1420,7 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
     if "w_blocked" in tuning:
         raise ValueError("linear: w_blocked follows from the weight's shape (4-D: blocks); do not pass it")
     if weight_blocks.is_blocked(weight):
-        tuning = {**tuning, "w_blocked": 1}     # a knob of both kernels: it does not change the plan
+        tuning = {**tuning, "w_blocked": 1}     # a knob of both kernels (plan weighs it in choosing)
     cfg = _config(m, k, n, epilogue, ctas or _sm_count(device), tuple(sorted(tuning.items())))
     if stream is None:
         stream = torch.cuda.current_stream(device)

@@ -37,6 +37,13 @@ Structure
   (n_tile x 64) and one x box per consumer warpgroup (64 x 64) per stage into 128B-swizzled
   shared memory, completing on an mbarrier armed with the stage's bytes; consumer warpgroups
   run wgmma keeping one k-block in flight and release the stage before.
+* **W in blocks** (``w_blocked``; kernels/weight_blocks.py's 64 x 64 blocks, which ``linear``
+  takes as a 4-D weight): a tile's n_tile rows start at any multiple of 16, so they need not be
+  whole blocks; each stage's W is then loaded as n_tile / 16 boxes of 16 rows, each one
+  contiguous 2 KB of a block (4-D tensor map), into the same swizzled buffer (the swizzle
+  follows the shared-memory address). In a pair sharing W, each CTA loads the even or the odd
+  pieces and multicasts them whole. Faster than rows only with 160- and 256-row tiles, slower
+  with 80 and 112, so the default on blocks is narrower (``BLOCKED_N_TILE_MULTIPLE``).
 * **Epilogue**: fp32 accumulators rounded once to bf16 and stored straight from the fragment,
   two adjacent y columns per 4-byte store, batch rows >= M (and rows another warpgroup owns)
   masked.
@@ -102,6 +109,13 @@ FILL_SLACK = 0.03          # choose_tile: a larger tile may leave this much more
 # but down, whose tiles there are two 64-row batch tiles (the second moved back over the
 # first), 2-8% slower.
 WIDE_MIN_M = 116
+# With W in 64 x 64 blocks, the default only where n_tile is a multiple of this. Measured on an
+# H200 (bench/gemm_notes.md §34, 3 interleaved rounds, the same board), blocks against rows:
+# lm_head's 256-row tiles 2-3% faster at 128 / 256 batch rows, qkv's 160-row tiles tied to 2%
+# faster at 224 / 256, but qkv's 80-row tiles 7% slower at 128 and the 112-row tiles of down and
+# o_proj 8-20% slower at 128 / 256 (an odd number of 16-row pieces per tile; why is not known),
+# where the stream-K kernel on blocks is as fast as these tiles on rows or within 3% (§33).
+BLOCKED_N_TILE_MULTIPLE = 32
 MAX_BATCH_TILE = 128       # the largest batch tile: up to this many rows, one batch tile holds every row
 WIDE_MIN_ROW_FILL = 0.9
 WIDE_MIN_ROW_FILL_ONE_WAVE = 0.8
@@ -237,15 +251,19 @@ class WideGemmConfig:
                 + (", x_trim=1" if self.x_trim else "") + (", w_blocked=1" if self.w_blocked else "") + ")")
 
 
-def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_split: bool = False) -> bool:
+def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_split: bool = False,
+                    w_blocked: bool = False) -> bool:
     """Whether ``linear`` runs this kernel by default for (M, N, epilogue) on ``sms`` SMs: plain
     shapes from WIDE_MIN_M rows whose tiles fill the grid's waves (one or several) and are
     mostly real batch rows; ``against_split``: the stream-K kernel would split K here, so in
-    one wave a lower row fill will do."""
+    one wave a lower row fill will do; ``w_blocked``: W is in blocks, so only where the tiles
+    are a multiple of BLOCKED_N_TILE_MULTIPLE rows."""
     if epilogue is not None or m < WIDE_MIN_M or n % N_TILE_STEP:
         return False
     batch_tile, n_tile = WideGemmConfig.choose_tile(m, n, sms)
     if m < MAX_BATCH_TILE and batch_tile != MAX_BATCH_TILE:
+        return False
+    if w_blocked and n_tile % BLOCKED_N_TILE_MULTIPLE:
         return False
     one_wave = _ceil_div(m, batch_tile) * (n // n_tile) <= sms
     min_row_fill = WIDE_MIN_ROW_FILL_ONE_WAVE if against_split and one_wave else WIDE_MIN_ROW_FILL

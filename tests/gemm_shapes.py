@@ -110,6 +110,11 @@ TUNING_CASES = [
     (64, 1024, 36864, None, dict(wide=1, n_tile=64, cluster=2, w_blocked=1)),
     (160, 8192, 7168, None, dict(wide=1, w_blocked=1)),
     (8, 8192, 7168, None, dict(wide=1, w_blocked=1)),
+    # plan's own choice on blocks: stream-K where the 80- / 112-row whole-K tiles would run on
+    # rows, the whole-K tiles where theirs are 160 rows.
+    (128, 7168, 10240, None, dict(w_blocked=1)),
+    (256, 8192, 7168, None, dict(w_blocked=1)),
+    (256, 7168, 10240, None, dict(w_blocked=1)),
     (256, 8192, 7168, None, dict(wide=0)),            # one 64-row unit per CTA, mma_n 256
     (256, 7168, 10240, None, dict(wide=0)),
     # One 64-row unit per CTA over the whole of K (the stream-K kernel's default for o_proj

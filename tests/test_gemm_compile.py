@@ -800,13 +800,26 @@ def test_wide_ptx_w_blocked(m, k, n, tuning):
     assert all(("multicast::cluster" in line) == (cfg.pair_shares == "w") for line in w_loads)
 
 
-def test_w_blocked_is_a_knob_of_both_kernels():
-    """Blocks do not change which kernel runs; both read them wherever N and K are whole blocks."""
-    for m in (1, 64, 128, 200, 256):
-        rows, blocks = gemm.plan(m, 8192, 7168, None, 132), gemm.plan(m, 8192, 7168, None, 132, w_blocked=1)
-        assert type(rows) is type(blocks) and blocks.w_blocked == 1 and rows.w_blocked == 0
-        assert gemm.reads_blocks(m, 8192, 7168)
-    assert isinstance(gemm.plan(256, 8192, 7168, None, 132, w_blocked=1), WideGemmConfig)
+@pytest.mark.parametrize("m, k, n, rows_kernel, blocks_kernel", [
+    (1, 8192, 7168, GemmConfig, GemmConfig),
+    (64, 7168, 163840, GemmConfig, GemmConfig),
+    (128, 7168, 163840, WideGemmConfig, WideGemmConfig),   # 256-row W tiles: also on blocks
+    (256, 7168, 10240, WideGemmConfig, WideGemmConfig),    # 160-row tiles: also on blocks
+    (128, 7168, 10240, WideGemmConfig, GemmConfig),        # 80-row tiles: stream-K on blocks
+    (256, 8192, 7168, WideGemmConfig, GemmConfig),         # 112-row tiles: stream-K on blocks
+    (128, 18432, 7168, WideGemmConfig, GemmConfig),
+    (128, 8192, 7168, GemmConfig, GemmConfig),             # one whole-K unit per CTA either way
+])
+def test_w_blocked_is_a_knob_of_both_kernels(m, k, n, rows_kernel, blocks_kernel):
+    """Both kernels read W's blocks wherever N and K are whole blocks; with blocks the whole-K
+    tiles stay the default only where their W tile is a multiple of 32 rows (measured, §34)."""
+    rows, blocks = gemm.plan(m, k, n, None, 132), gemm.plan(m, k, n, None, 132, w_blocked=1)
+    assert (type(rows), type(blocks)) == (rows_kernel, blocks_kernel)
+    assert blocks.w_blocked == 1 and rows.w_blocked == 0 and gemm.reads_blocks(m, k, n)
+    if blocks_kernel is WideGemmConfig:
+        assert blocks.n_tile % gemm_wide.BLOCKED_N_TILE_MULTIPLE == 0
+    # Forced, the whole-K tiles take blocks with any tile.
+    assert gemm.plan(m, k, n, None, 132, wide=1, w_blocked=1).w_blocked == 1
     assert not gemm.reads_blocks(8, 1000, 1024)
 
 

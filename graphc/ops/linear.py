@@ -107,9 +107,11 @@ DECODE_GEMM_MAX_BATCH = 16
 # then stay row-major at every size (one A/B in one process, bench/step_ab.py, 3 rounds;
 # bench/results/step_weights_in_blocks_ab_8l_*_session26.txt): 2497-2506 against 2522-2526 us
 # at 1 row, 2556-2563 / 2577-2586 at 8, 2815-2826 / 2833-2845 at 32, 3270-3272 / 3293-3298 at
-# 64. At 128 rows down / qkv / o_proj on the decode GEMM (its whole-K tiles there, which read
-# row-major weights only) measured bimodal in the step, 4100-4332 against 4131-4164 us
-# (bench/gemm_notes.md §21; again in session 13), so the crossovers stay at 64.
+# 64. At 128 rows down / qkv / o_proj on the decode GEMM (its whole-K tiles there, on row-major
+# weights) measured bimodal in the step, 4100-4332 against 4131-4164 us (bench/gemm_notes.md
+# §21; again in session 13), so the crossovers stay at 64. Both decode GEMMs read blocks since
+# session 27 (§34), so a higher crossover would now keep the blocks at every size; not measured
+# in the step yet (bench/gemm_notes.md §34 names the A/B to run).
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 64,
     (18432, 7168, None): 64,
