@@ -137,17 +137,18 @@ def _reads_blocks(k, batch: int, sms: int) -> bool:
 def blocked_weights(schedules: Mapping[int, Schedule], sms: int) -> set[str]:
     """The weights a build of these schedules on a GPU of ``sms`` SMs stores in 64 x 64 blocks
     (kernels/weight_blocks.py): those whose every reader, at every captured batch size, reads
-    blocks (the decode GEMM's stream-K kernel, 2-7% faster from them; bench/gemm_notes.md §33).
-    A weight that any other kernel reads stays row-major: one copy of each weight, in one
-    order, serves every captured graph. (So a build that also captures a batch size where a
-    layer runs cuBLAS keeps that layer's weight row-major at every size.)"""
+    blocks (the decode GEMM, 2-7% faster from them, wherever they leave its choice of kernel as
+    it is: ``gemm.reads_blocks``; bench/gemm_notes.md §33-§34). A weight that any kernel reads
+    row-major stays so: one copy of each weight, in one order, serves every captured graph.
+    (So a build that also captures a batch size where a layer runs cuBLAS keeps that layer's
+    weight row-major at every size.)"""
     return {name for name, (shape, readers) in weight_readers(schedules).items()
             if weight_blocks.blockable(shape) and all(_reads_blocks(k, batch, sms) for batch, k in readers)}
 
 
 def row_major_for_some_sizes(schedules: Mapping[int, Schedule], sms: int) -> dict[str, tuple[int, object]]:
     """Weight name -> (batch size, kernel) of its first row-major reader, for the weights that
-    the decode GEMM reads in blocks at some captured sizes but another kernel reads row-major
+    the decode GEMM reads in blocks at some captured sizes but a kernel reads row-major
     at others: what ``blocked_weights`` keeps row-major at every size (a build says so)."""
     kept = {}
     for name, (shape, readers) in weight_readers(schedules).items():

@@ -399,10 +399,10 @@ def _weights_in_blocks(schedules: dict[int, Schedule], dev: torch.device, weight
         kept = row_major_for_some_sizes(schedules, _sm_count(dev))
         if kept:
             batch, k = next(iter(kept.values()))
-            progress(f"{len(kept)} weights stay row-major at every batch size because another kernel reads "
-                     f"them so at some (e.g. {k.node} runs {k.impl} at batch {batch}); at the others the decode "
-                     f"GEMM would stream them 2-7% faster in 64 x 64 blocks: capture those sizes in a "
-                     f"build of their own for that")
+            progress(f"{len(kept)} weights stay row-major at every batch size because a kernel that reads "
+                     f"them so runs at some (e.g. {k.node} runs {k.impl} at batch {batch}); at the others the decode "
+                     f"GEMM would stream them 2-7% faster in 64 x 64 blocks: for that, capture those sizes in a "
+                     f"build of their own, with its own weights")
     if isinstance(weights, Weights):
         blocked = (blocked - weights.pinned_rows) | weights.blocked()
     return blocked

@@ -1318,13 +1318,18 @@ def cache_of(cfg):
 
 
 def reads_blocks(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS) -> bool:
-    """Whether the kernel ``linear`` runs by default for this call reads the weight in blocks
-    (kernels/weight_blocks.py) as well as in rows. Both of ``plan``'s kernels do, at every M
-    (the stream-K one in 64-row boxes, the whole-K tiles of gemm_wide.py in 16-row pieces),
-    wherever the weight can be stored in blocks; the arguments are those of every other
-    per-call question to the plan. A build stores a weight in blocks only where every reader
-    of it reads blocks at every batch size it captures (graphc/plan.py)."""
-    return weight_blocks.blockable((n, k))
+    """Whether the default for this call reads the weight in blocks (kernels/weight_blocks.py)
+    at least as fast as in rows: where the blocks leave ``plan``'s choice of kernel as it is.
+    Both kernels read blocks (the stream-K one in 64-row boxes, 2-7% faster than rows; the
+    whole-K tiles of gemm_wide.py in 16-row pieces, faster only with tiles of a multiple of 32
+    rows, bench/gemm_notes.md §34). Where the whole-K tiles with 80 or 112 rows run on rows
+    (qkv at 116-128 rows, down and o_proj at 128 and 231-256), blocks would hand the call to the
+    stream-K kernel, measured up to 5% slower there than those tiles on rows. A build stores a
+    weight in blocks only where this holds at every batch size it captures (graphc/plan.py)."""
+    if not weight_blocks.blockable((n, k)):
+        return False
+    rows = _config(m, k, n, epilogue, ctas, ())
+    return type(_config(m, k, n, epilogue, ctas, (("w_blocked", 1),))) is type(rows)
 
 
 def compiled_variant(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS,

@@ -114,7 +114,8 @@ WIDE_MIN_M = 116
 # lm_head's 256-row tiles 2-3% faster at 128 / 256 batch rows, qkv's 160-row tiles tied to 2%
 # faster at 224 / 256, but qkv's 80-row tiles 7% slower at 128 and the 112-row tiles of down and
 # o_proj 8-20% slower at 128 / 256 (an odd number of 16-row pieces per tile; why is not known),
-# where the stream-K kernel on blocks is as fast as these tiles on rows or within 3% (§33).
+# There the stream-K kernel takes blocked weights (as fast as these tiles on rows at down 128,
+# 3-5% slower elsewhere, §33-§34), and a build keeps such weights row-major (gemm.reads_blocks).
 BLOCKED_N_TILE_MULTIPLE = 32
 MAX_BATCH_TILE = 128       # the largest batch tile: up to this many rows, one batch tile holds every row
 WIDE_MIN_ROW_FILL = 0.9

@@ -812,10 +812,13 @@ def test_wide_ptx_w_blocked(m, k, n, tuning):
 ])
 def test_w_blocked_is_a_knob_of_both_kernels(m, k, n, rows_kernel, blocks_kernel):
     """Both kernels read W's blocks wherever N and K are whole blocks; with blocks the whole-K
-    tiles stay the default only where their W tile is a multiple of 32 rows (measured, §34)."""
+    tiles stay the default only where their W tile is a multiple of 32 rows (measured, §34),
+    and only there does a build store the weight in blocks."""
     rows, blocks = gemm.plan(m, k, n, None, 132), gemm.plan(m, k, n, None, 132, w_blocked=1)
     assert (type(rows), type(blocks)) == (rows_kernel, blocks_kernel)
-    assert blocks.w_blocked == 1 and rows.w_blocked == 0 and gemm.reads_blocks(m, k, n)
+    assert blocks.w_blocked == 1 and rows.w_blocked == 0
+    # A build stores blocks only where they leave the kernel as it is.
+    assert gemm.reads_blocks(m, k, n) == (rows_kernel is blocks_kernel)
     if blocks_kernel is WideGemmConfig:
         assert blocks.n_tile % gemm_wide.BLOCKED_N_TILE_MULTIPLE == 0
     # Forced, the whole-K tiles take blocks with any tile.
