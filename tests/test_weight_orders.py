@@ -60,6 +60,23 @@ def test_a_weight_cublas_reads_anywhere_stays_row_major():
     assert blocked_weights(s, SMS) == set()
 
 
+def test_whole_k_tiles_that_lose_on_blocks_keep_their_weights_row_major():
+    """Every Kimi linear forced onto the decode GEMM at 1-256 rows: the whole-K tiles read
+    blocks too, but with 80- or 112-row W tiles (qkv at 128 rows, down and o_proj at 256) they
+    lose on them (bench/gemm_notes.md §34), so those weights stay row-major; gate_up (stream-K
+    at every size) and lm_head (stream-K, or whole-K with 256-row tiles) go to blocks."""
+    s, graph = schedules(KIMI_8L, [1, 8, 128, 256], {"linear": "cute"})
+    assert blocked_weights(s, SMS) == linear_weights(graph, "gate_up", "lm_head")
+    kept = row_major_for_some_sizes(s, SMS)
+    assert set(kept) == linear_weights(graph, "qkv", "o_proj", "down")
+    batch, kernel = kept["L00.attn.qkv.weight"]
+    assert (batch, kernel.impl) == (128, "cute")
+    assert kept["L00.attn.o_proj.weight"][0] == 256 and kept["L00.mlp.down.weight"][0] == 128
+    # Up to 64 rows and at 224 (stream-K for down and o_proj, 160-row tiles for qkv): all blocks.
+    s, graph = schedules(KIMI_8L, [1, 64, 224], {"linear": "cute"})
+    assert blocked_weights(s, SMS) == linear_weights(graph, "qkv", "o_proj", "gate_up", "down", "lm_head")
+
+
 def test_tied_embedding_stays_row_major():
     text = open("layer_specs/tiny.yaml").read().replace("tied: false", "tied: true")
     s, graph = schedules(parse_spec(text, "tied.yaml"), [1, 4])
