@@ -33,7 +33,7 @@ Since session 26 ours reads its weights as a graphc build stores them: in 64 x 6
 (kernels/weight_blocks.py) where the kernel that runs reads them (``gemm.reads_blocks``: the
 stream-K kernel since session 26, 2-7% faster from them, bench/gemm_notes.md §33; the whole-K
 tiles since session 27, §34), else row-major; cuBLAS reads row-major copies. ``--tunings
-w_blocked=0`` times ours on row-major weights beside it.
+w_blocked=0`` times ours on row-major weights beside it, ``w_block_rows=16`` on 16-row blocks.
 
 Runtime: ~3 compiles per (shape, M) (a few seconds each) plus ~1 s of timing; the default
 16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml.
@@ -202,17 +202,25 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
     # Ours reads the weights as a graphc build stores them: in 64 x 64 blocks (kernels/
     # weight_blocks.py, copies of their own, passed as 4-D weights) where the kernel that runs
     # reads them (gemm.reads_blocks), else row-major; cuBLAS reads the row-major copies. A
-    # variant's w_blocked=0 / 1 chooses explicitly.
+    # variant's w_blocked=0 / 1 chooses explicitly, and w_block_rows=16 (which implies blocks)
+    # reads copies in 16-row blocks.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     default_blocked = int(gemm.reads_blocks(m, k, n, epilogue, sms))
-    blocked = default_blocked or (args.variants and any(
-        t.get("w_blocked") for _, t in variants(m, k, n, epilogue, args.tunings)))
-    ws_blocked = [weight_blocks.to_blocks(w) for w in ws] if blocked else None
+
+    def order_of(tuning) -> tuple[dict, int]:
+        """(the knobs linear takes, rows per block of the weights to pass: 0 for row-major)."""
+        knobs = {knob: v for knob, v in tuning.items() if knob not in ("w_blocked", "w_block_rows")}
+        rows = tuning.get("w_block_rows", weight_blocks.BLOCK)
+        default = rows != weight_blocks.BLOCK or (default_blocked and reads_blocks_with(m, k, n, epilogue, knobs))
+        return knobs, rows if tuning.get("w_blocked", default) else 0
+
+    orders = {order_of({})[1]} | ({order_of(t)[1] for _, t in variants(m, k, n, epilogue, args.tunings)}
+                                   if args.variants else set())
+    ws_in = {rows: [weight_blocks.to_blocks(w, rows) for w in ws] if rows else ws for rows in orders}
 
     def weights_and_knobs(tuning):
-        knobs = {knob: v for knob, v in tuning.items() if knob != "w_blocked"}
-        in_blocks = tuning.get("w_blocked", default_blocked and reads_blocks_with(m, k, n, epilogue, knobs))
-        return (ws_blocked if in_blocks else ws), knobs
+        knobs, rows = order_of(tuning)
+        return ws_in[rows], knobs
 
     # Correctness first: a fast wrong kernel is not a result.
     gemm.linear(xs[0], weights_and_knobs({})[0][0], outs[0], epilogue=epilogue, use_pdl=False)

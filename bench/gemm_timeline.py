@@ -124,19 +124,28 @@ def timeline(g, name: str, m: int, verbose: bool = True, tuning: dict | None = N
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     copies = 6
     knobs = dict(tuning or {})
-    # The weights in the order a build stores them (blocks where the stream-K kernel reads
-    # them), unless the knobs say w_blocked=0 / 1.
-    blocked = knobs.pop("w_blocked", int(g.reads_blocks(m, k, n, e, sms)))
+    rows, order = weight_order(g, knobs, m, k, n, e, sms)
     ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
-    ws = [to_blocks(w) for w in ws] if blocked else ws
+    ws = [to_blocks(w, rows) for w in ws] if rows else ws
     xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
     outs = [torch.empty(m, n // 2 if e else n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    cfg = g.GemmConfig(m, k, n, e, sms, **knobs, **({"w_blocked": 1} if blocked else {}))
+    cfg = g.GemmConfig(m, k, n, e, sms, **knobs, **order)
     for _ in range(3):
         for j in range(copies):
             g.linear(xs[j], ws[j], outs[j], epilogue=e, **knobs)
     torch.cuda.synchronize()
     return report(g, cfg, f"{name}:{m}", verbose)
+
+
+def weight_order(g, knobs: dict, m: int, k: int, n: int, e, sms: int) -> tuple[int, dict]:
+    """The weights in the order a build stores them (blocks where gemm.reads_blocks says so),
+    unless the knobs say w_blocked=0 / 1, or w_block_rows=16 (16-row blocks): (rows per block,
+    0 for row-major; the order's knobs for GemmConfig). Takes those two knobs out of ``knobs``
+    (``linear`` reads them from the weight's shape)."""
+    rows = knobs.pop("w_block_rows", 64)
+    if not knobs.pop("w_blocked", int(rows != 64 or g.reads_blocks(m, k, n, e, sms))):
+        return 0, {}
+    return rows, {"w_blocked": 1, **({"w_block_rows": rows} if rows != 64 else {})}
 
 
 def parse_case(arg: str) -> tuple[str, int, dict]:
@@ -224,8 +233,8 @@ def main() -> None:
         if precompile:
             k, n, e = shapes[name]
             knobs = dict(tuning)
-            blocked = knobs.pop("w_blocked", int(g.reads_blocks(m, k, n, e, 132)))
-            g.compile_cache().get(g.GemmConfig(m, k, n, e, 132, **knobs, **({"w_blocked": 1} if blocked else {})).key())
+            _, order = weight_order(g, knobs, m, k, n, e, 132)
+            g.compile_cache().get(g.GemmConfig(m, k, n, e, 132, **knobs, **order).key())
             print(f"compiled {name}:{m} {tuning}")
         else:
             timeline(g, name, m, tuning=tuning)

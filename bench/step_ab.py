@@ -51,8 +51,8 @@ def parse_variant(text: str) -> tuple[str, dict, set | None, dict, dict]:
     implementations by op kind, build options)."""
     from graphc.kernels.gemm import LINEAR_KNOBS
 
-    # (w_blocked follows from how the build stores the weights: build.block_weights.)
-    known = (*(k for k in LINEAR_KNOBS if k != "w_blocked"), *(ATTENTION + k for k in ATTENTION_KNOBS),
+    # (w_blocked and w_block_rows follow from how the build stores the weights: build.block_weights.)
+    known = (*(k for k in LINEAR_KNOBS if k not in ("w_blocked", "w_block_rows")), *(ATTENTION + k for k in ATTENTION_KNOBS),
              *(CLUSTER + k for k in CLUSTER_KNOBS), *(BUILD + k for k in BUILD_OPTIONS))
 
     name, sep, rest = text.partition(":")

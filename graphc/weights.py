@@ -82,7 +82,7 @@ class Weights:
         order it is stored."""
         t = self.tensors[name]
         if weight_blocks.is_blocked(t):
-            value = weight_blocks.to_blocks(value)
+            value = weight_blocks.to_blocks(value, weight_blocks.block_rows(t))
         t.copy_(value)
 
     @classmethod

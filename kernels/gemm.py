@@ -101,8 +101,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import gemm_wide, smem_pipeline, weight_blocks
 from .compile_cache import CompileCache
-from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, on_off_knob, peers_done,
-                            pipeline_stages, release_stage, tma_load, tma_load_op, w_global_layout)
+from .smem_pipeline import (EVICT_FIRST, barriers_ready, block_rows_knob, first_rows_layout, on_off_knob,
+                            peers_done, pipeline_stages, release_stage, tma_load, tma_load_op, w_global_layout)
 
 # PDL traits of this op, read by the scheduler (DESIGN §4).
 PROLOGUE_INPUTS = ("weight",)
@@ -113,7 +113,8 @@ EPILOGUES = (None, "silu_mul")
 # Tuning knobs of GemmConfig (None: the default), in cache-key order. Set by the benchmark
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
 TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
-                "publish_first", "cluster", "x_trim", "pre_wait_stages", "trigger_at", "w_blocked")
+                "publish_first", "cluster", "x_trim", "pre_wait_stages", "trigger_at", "w_blocked",
+                "w_block_rows")
 # Where a CTA executes ``launch_dependents`` (the ``trigger_at`` knob; TRIGGER stays "early",
 # which is conservative for every one of them): at entry (the default), right after its PDL
 # wait, once its consumers have streamed their last k-block (before the last tile's split
@@ -157,7 +158,8 @@ class GemmConfig:
                  stages: int | None = None, halves: int | None = None, y_staging: int | None = None,
                  col_wgs: int | None = None, publish_first: int | None = None, cluster: int | None = None,
                  x_trim: int | None = None, pre_wait_stages: int | None = None,
-                 trigger_at: int | None = None, w_blocked: int | None = None):
+                 trigger_at: int | None = None, w_blocked: int | None = None,
+                 w_block_rows: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -278,6 +280,9 @@ class GemmConfig:
         # 32-64 (§33), so 64 stays the default here too.
         self.w_blocked = on_off_knob("w_blocked", w_blocked, False, True,
                                      "with W given as its blocks (kernels/weight_blocks.py)")
+        # Rows per block (``w_block_rows``, from the weight's shape): 64, or 16 as a measurement
+        # variant (a 64-row box is then four 2 KB blocks; bench/gemm_notes.md §34).
+        self.w_block_rows = block_rows_knob(w_block_rows, self.w_blocked)
         # Accumulator floats per thread per half (64 x mma_n over 128 threads).
         self.frag = HALF_ROWS * self.mma_n // 128
         # Workspace: two partial slots per CTA (its first and last segment can be partial).
@@ -429,7 +434,8 @@ class GemmConfig:
                 + (", x_trim=1" if self.x_trim else "")
                 + (f", pre_wait_stages={self.pre_wait_stages}" if self.pre_wait_stages < self.stages else "")
                 + (f", trigger_at={TRIGGER_POINTS[self.trigger_at]}" if self.trigger_at else "")
-                + (", w_blocked=1" if self.w_blocked else "") + ")")
+                + (", w_blocked=1" if self.w_blocked else "")
+                + (f", w_block_rows={self.w_block_rows}" if self.w_block_rows != weight_blocks.BLOCK else "") + ")")
 
 
 def check_shape(m: int, k: int, n: int, epilogue: str | None = None) -> None:
@@ -486,7 +492,7 @@ class DecodeGemmKernel:
             cute.make_layout((x_rows, cfg.k), stride=(cfg.k, 1)),
         )
         mW = cute.make_tensor(cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16),
-                              w_global_layout(cfg.n, cfg.k, cfg.w_blocked))
+                              w_global_layout(cfg.n, cfg.k, cfg.w_blocked, cfg.w_block_rows))
         mY = cute.make_tensor(
             cute.make_ptr(BFloat16, y_addr, gmem, assumed_align=16),
             # Dynamic row count too: no static size-1 batch mode anywhere (the epilogue's mask
@@ -1389,8 +1395,9 @@ def validate(x, weight, out, epilogue: str | None = None) -> tuple[int, int, int
     if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 4):
         raise ValueError("weight must be a 2-D [N, K] tensor, or its [N/64, K/64, 64, 64] blocks "
                          "(kernels/weight_blocks.py)")
-    if weight.dim() == 4 and tuple(weight.shape[2:]) != (weight_blocks.BLOCK,) * 2:
-        raise ValueError(f"blocked weight must have shape [N/64, K/64, 64, 64], got {list(weight.shape)}")
+    if weight.dim() == 4 and (weight.shape[2] not in weight_blocks.ROW_BLOCKS or weight.shape[3] != weight_blocks.BLOCK):
+        raise ValueError(f"blocked weight must have shape [N/64, K/64, 64, 64] (or [N/16, K/64, 16, 64]), "
+                         f"got {list(weight.shape)}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError("x must be a 2-D [M, K] tensor")
     n, k = weight_blocks.matrix_shape(weight)
@@ -1422,10 +1429,14 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
 
     m, k, n = validate(x, weight, out, epilogue)
     device = weight.device
-    if "w_blocked" in tuning:
-        raise ValueError("linear: w_blocked follows from the weight's shape (4-D: blocks); do not pass it")
+    for knob in ("w_blocked", "w_block_rows"):
+        if knob in tuning:
+            raise ValueError(f"linear: {knob} follows from the weight's shape (4-D: blocks); do not pass it")
     if weight_blocks.is_blocked(weight):
-        tuning = {**tuning, "w_blocked": 1}     # a knob of both kernels (plan weighs it in choosing)
+        # Knobs of both kernels (plan weighs w_blocked in choosing between them).
+        tuning = {**tuning, "w_blocked": 1}
+        if weight_blocks.block_rows(weight) != weight_blocks.BLOCK:
+            tuning["w_block_rows"] = weight_blocks.block_rows(weight)
     cfg = _config(m, k, n, epilogue, ctas or _sm_count(device), tuple(sorted(tuning.items())))
     if stream is None:
         stream = torch.cuda.current_stream(device)

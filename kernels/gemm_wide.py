@@ -70,16 +70,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import smem_pipeline, weight_blocks
 from .compile_cache import CompileCache
-from .smem_pipeline import (EVICT_FIRST, barriers_ready, first_rows_layout, on_off_knob, peers_done,
-                            pipeline_stages, release_stage, row_pieces_layout, tma_load, tma_load_op,
-                            w_global_layout)
+from .smem_pipeline import (EVICT_FIRST, barriers_ready, block_rows_knob, first_rows_layout, on_off_knob,
+                            peers_done, pipeline_stages, release_stage, row_pieces_layout, tma_load,
+                            tma_load_op, w_global_layout)
 
 # PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
 PROLOGUE_INPUTS = ("weight",)
 WAITS = True
 TRIGGER = "early"
 
-TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_trim", "w_blocked")
+TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_trim", "w_blocked", "w_block_rows")
 BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
 WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
 N_TILE_STEP = 16           # wgmma N steps of 8; CuTe DSL 4.8.1 needs an even number of 8-row atoms
@@ -132,7 +132,7 @@ class WideGemmConfig:
 
     def __init__(self, m: int, k: int, n: int, ctas: int, *, batch_tile: int | None = None,
                  n_tile: int | None = None, stages: int | None = None, cluster: int | None = None,
-                 x_trim: int | None = None, w_blocked: int | None = None):
+                 x_trim: int | None = None, w_blocked: int | None = None, w_block_rows: int | None = None):
         if not (1 <= m and k > 0 and k % BLOCK_K == 0 and n > 0 and n % N_TILE_STEP == 0):
             raise ValueError(f"wide decode GEMM: M={m}, K={k}, N={n} unsupported (K a multiple of "
                              f"{BLOCK_K}, N of {N_TILE_STEP})")
@@ -201,6 +201,8 @@ class WideGemmConfig:
         self.w_blocked = on_off_knob("w_blocked", w_blocked, False, self.n % weight_blocks.BLOCK == 0,
                                      f"with W given as its blocks (kernels/weight_blocks.py; N={self.n} "
                                      f"a multiple of {weight_blocks.BLOCK})")
+        # Rows per block: 64, or 16 as a measurement variant (each piece is then one block).
+        self.w_block_rows = block_rows_knob(w_block_rows, self.w_blocked)
         self.w_pieces = self.n_tile // W_PIECE_ROWS if self.w_blocked else 1
         # Shared memory per stage (64-row x buffers), and what TMA delivers into it.
         self.stage_bytes = self.wgs * WG_ROWS * BLOCK_K * 2 + self.w_stage_bytes
@@ -249,7 +251,8 @@ class WideGemmConfig:
                 f"tile={self.batch_tile}x{self.n_tile}, tiles={self.batch_tiles}x{self.n_tiles}, "
                 f"wave_fill={self.wave_fill(self.m, self.n, self.sms, self.batch_tile, self.n_tile):.2f}, "
                 f"k_blocks={self.k_blocks}, stages={self.stages}, cluster={self.cluster}"
-                + (", x_trim=1" if self.x_trim else "") + (", w_blocked=1" if self.w_blocked else "") + ")")
+                + (", x_trim=1" if self.x_trim else "") + (", w_blocked=1" if self.w_blocked else "")
+                + (f", w_block_rows={self.w_block_rows}" if self.w_block_rows != weight_blocks.BLOCK else "") + ")")
 
 
 def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_split: bool = False,
@@ -288,7 +291,7 @@ class WideGemmKernel:
         mX = cute.make_tensor(cute.make_ptr(BFloat16, x_addr, gmem, assumed_align=16),
                               cute.make_layout((x_rows, cfg.k), stride=(cfg.k, 1)))
         mW = cute.make_tensor(cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16),
-                              w_global_layout(cfg.n, cfg.k, cfg.w_blocked))
+                              w_global_layout(cfg.n, cfg.k, cfg.w_blocked, cfg.w_block_rows))
         mY = cute.make_tensor(cute.make_ptr(BFloat16, y_addr, gmem, assumed_align=16),
                               cute.make_layout((x_rows, cfg.n), stride=(cfg.n, 1)))
 

@@ -42,6 +42,18 @@ def on_off_knob(name: str, value: int | None, default: bool, allowed: bool, wher
     return int(value)
 
 
+def block_rows_knob(value: int | None, blocked: bool) -> int:
+    """The ``w_block_rows`` knob of both decode GEMMs: rows per block of a blocked W (64 by
+    default; 16 as a measurement variant, kernels/weight_blocks.py), 64 when W is row-major."""
+    if value is None:
+        value = weight_blocks.BLOCK
+    if value not in weight_blocks.ROW_BLOCKS or (value != weight_blocks.BLOCK and not blocked):
+        raise ValueError(f"w_block_rows={value} unsupported here ({weight_blocks.BLOCK}, or "
+                         f"{' or '.join(str(r) for r in weight_blocks.ROW_BLOCKS if r != weight_blocks.BLOCK)} "
+                         f"with W in blocks: w_blocked=1)")
+    return int(value)
+
+
 @cute.jit
 def release_stage(bar, cluster: cutlass.Constexpr) -> None:
     """Free a pipeline stage: arrive on its empty barrier ``bar`` in every CTA of the cluster
@@ -79,13 +91,13 @@ def row_pieces_layout(buffers, rows: int):
             stride=((row_stride, atom_stride), k_stride, (atom_stride * per_piece, buffer_stride))))
 
 
-def w_global_layout(n: int, k: int, blocked: bool):
+def w_global_layout(n: int, k: int, blocked: bool, rows: int = weight_blocks.BLOCK):
     """W's (n, k) layout in global memory: row-major [N, K], or kernels/weight_blocks.py's
-    [N/64, K/64, 64, 64] blocks, as ((row in block, row block), (k in block, k block))."""
+    [N/rows, K/64, rows, 64] blocks, as ((row in block, row block), (k in block, k block))."""
     if not blocked:
         return cute.make_layout((n, k), stride=(k, 1))
     b = weight_blocks.BLOCK
-    return cute.make_layout(((b, n // b), (b, k // b)), stride=((b, b * k), (1, b * b)))
+    return cute.make_layout(((rows, n // rows), (b, k // b)), stride=((b, rows * k), (1, rows * b)))
 
 
 def tma_load_op(multicast: int):

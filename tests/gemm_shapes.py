@@ -110,6 +110,13 @@ TUNING_CASES = [
     (64, 1024, 36864, None, dict(wide=1, n_tile=64, cluster=2, w_blocked=1)),
     (160, 8192, 7168, None, dict(wide=1, w_blocked=1)),
     (8, 8192, 7168, None, dict(wide=1, w_blocked=1)),
+    # 16-row blocks (a measurement variant, w_block_rows=16): a 64-row box is four blocks
+    # (stream-K, also with two k-blocks per box), a 16-row piece one block (whole-K tiles).
+    (8, 8192, 7168, None, dict(w_blocked=1, w_block_rows=16)),
+    (64, 7168, 36864, "silu_mul", dict(w_blocked=1, w_block_rows=16)),
+    (32, 8192, 7168, None, dict(w_blocked=1, w_block_rows=16, block_k=128)),
+    (256, 8192, 7168, None, dict(wide=1, w_blocked=1, w_block_rows=16)),
+    (128, 7168, 10240, None, dict(wide=1, w_blocked=1, w_block_rows=16)),
     # plan's own choice on blocks: stream-K where the 80- / 112-row whole-K tiles would run on
     # rows, the whole-K tiles where theirs are 160 rows.
     (128, 7168, 10240, None, dict(w_blocked=1)),

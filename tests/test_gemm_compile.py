@@ -77,6 +77,10 @@ def test_linear_validates_tensors():
         gemm.linear(x[0], w, torch.zeros(4, 1024, dtype=bf))
     with pytest.raises(ValueError, match="1 <= M <= 256"):
         gemm.linear(torch.zeros(300, 1024, dtype=bf), w, torch.zeros(300, 1024, dtype=bf))
+    with pytest.raises(ValueError, match=r"\[N/64, K/64, 64, 64\] \(or \[N/16, K/64, 16, 64\]\), got \[32, 16, 32, 64\]"):
+        gemm.linear(x, torch.zeros(32, 16, 32, 64, dtype=bf), torch.zeros(4, 1024, dtype=bf))
+    with pytest.raises(ValueError, match="CUDA device"):     # 16-row blocks pass the shape checks
+        gemm.linear(x, torch.zeros(64, 16, 16, 64, dtype=bf), torch.zeros(4, 1024, dtype=bf))
 
 
 def test_pdl_traits():
@@ -824,6 +828,36 @@ def test_w_blocked_is_a_knob_of_both_kernels(m, k, n, rows_kernel, blocks_kernel
     # Forced, the whole-K tiles take blocks with any tile.
     assert gemm.plan(m, k, n, None, 132, wide=1, w_blocked=1).w_blocked == 1
     assert not gemm.reads_blocks(8, 1000, 1024)
+
+
+@pytest.mark.parametrize("m, k, n, epilogue, tuning", [
+    (8, 8192, 7168, None, {}),
+    (32, 8192, 7168, None, {"block_k": 128}),
+    (256, 8192, 7168, None, {"wide": 1}),
+])
+def test_ptx_16_row_blocks(m, k, n, epilogue, tuning):
+    """w_block_rows=16: W's loads stay 4-D boxes (a 64-row box spans four 16-row blocks;
+    the whole-K tiles' 16-row pieces are one block each), x's stay 2-D."""
+    cfg = gemm.plan(m, k, n, epilogue, 132, w_blocked=1, w_block_rows=16, **tuning)
+    assert cfg.w_block_rows == 16 and "w_block_rows=16" in repr(cfg)
+    if isinstance(cfg, WideGemmConfig):
+        ptx = _wide_ptx(cfg)
+    else:
+        ptx = linear_ptx(m, k, n, epilogue, w_blocked=1, w_block_rows=16, **tuning)
+    dims = {dim for dim, _ in _tma_loads(ptx)}
+    assert dims == {"2d", "4d"}
+    w_loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.4d" in line]
+    per_stage = cfg.w_pieces if isinstance(cfg, WideGemmConfig) else cfg.w_boxes
+    assert len(w_loads) % per_stage == 0 and w_loads
+
+
+def test_w_block_rows_knob():
+    assert gemm.plan(8, 8192, 7168, None, 132).w_block_rows == 64
+    for tuning in ({"w_block_rows": 16}, {"w_blocked": 1, "w_block_rows": 32}):
+        with pytest.raises(ValueError, match="w_block_rows=.* unsupported"):
+            gemm.plan(8, 8192, 7168, None, 132, **tuning)
+    key = gemm.plan(256, 8192, 7168, None, 132, wide=1, w_blocked=1, w_block_rows=16).key()
+    assert WideGemmConfig.from_key(key).key() == key and WideGemmConfig.from_key(key).w_block_rows == 16
 
 
 def _wide_ptx(cfg) -> str:

@@ -92,10 +92,12 @@ def test_tuning_variants_match_reference(m, k, n, epilogue, tuning):
     two row warpgroups, and their opposites."""
     x, w = _inputs(m, k, n)
     out = _out(m, n, epilogue)
-    # w_blocked: the kernel reads W's blocks (kernels/weight_blocks.py), given as the 4-D
-    # weight; the reference multiplies the row-major W.
-    knobs = {knob: v for knob, v in tuning.items() if knob != "w_blocked"}
-    gemm.linear(x, weight_blocks.to_blocks(w) if tuning.get("w_blocked") else w, out, epilogue=epilogue, **knobs)
+    # w_blocked: the kernel reads W's blocks (kernels/weight_blocks.py; of w_block_rows rows),
+    # given as the 4-D weight; the reference multiplies the row-major W.
+    knobs = {knob: v for knob, v in tuning.items() if knob not in ("w_blocked", "w_block_rows")}
+    rows = tuning.get("w_block_rows", weight_blocks.BLOCK)
+    gemm.linear(x, weight_blocks.to_blocks(w, rows) if tuning.get("w_blocked") else w, out, epilogue=epilogue,
+                **knobs)
     torch.cuda.synchronize()
     _check_close(out, _reference(x, w, epilogue), f"({tuning}, M={m}, K={k}, N={n})")
 
