@@ -179,8 +179,9 @@ def variants(m: int, k: int, n: int, epilogue, explicit=None) -> list[tuple[str,
     base = gemm.GemmConfig(m, k, n, epilogue, sms)
     out = []
     for label, tuning in explicit or variant_tunings(base):
-        try:
-            gemm.plan(m, k, n, epilogue, **{"ctas": sms, **tuning})
+        try:      # (w_block_rows=16 implies blocks: order_of in bench_one)
+            gemm.plan(m, k, n, epilogue, **{"ctas": sms, **tuning,
+                                            **({"w_blocked": 1} if "w_block_rows" in tuning else {})})
         except ValueError:
             continue
         out.append((label, tuning))
