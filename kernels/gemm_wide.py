@@ -201,9 +201,13 @@ class WideGemmConfig:
         self.w_blocked = on_off_knob("w_blocked", w_blocked, False, self.n % weight_blocks.BLOCK == 0,
                                      f"with W given as its blocks (kernels/weight_blocks.py; N={self.n} "
                                      f"a multiple of {weight_blocks.BLOCK})")
-        # Rows per block: 64, or 16 as a measurement variant (each piece is then one block).
+        # Rows per block: 64, or 16 as a measurement variant. In 16-row blocks a tile's rows
+        # are whole blocks, so without W shared in a pair its stage is one box (4-D: its
+        # n_tile / 16 blocks); otherwise W_PIECE_ROWS-row pieces (each pair CTA loads half).
         self.w_block_rows = block_rows_knob(w_block_rows, self.w_blocked)
-        self.w_pieces = self.n_tile // W_PIECE_ROWS if self.w_blocked else 1
+        one_box = self.w_block_rows == W_PIECE_ROWS and self.w_multicast == 1
+        self.w_piece_rows = self.n_tile if one_box or not self.w_blocked else W_PIECE_ROWS
+        self.w_pieces = self.n_tile // self.w_piece_rows
         # Shared memory per stage (64-row x buffers), and what TMA delivers into it.
         self.stage_bytes = self.wgs * WG_ROWS * BLOCK_K * 2 + self.w_stage_bytes
         self.stage_tx_bytes = self.wgs * self.x_box_rows * BLOCK_K * 2 + self.w_stage_bytes
@@ -314,8 +318,8 @@ class WideGemmKernel:
             # One piece per box, each multicast whole (a half piece would be one 8-row
             # swizzle atom, which CuTe DSL 4.8.1 cannot make a box of).
             tma_w, mW_tma = cpasync.make_tiled_tma_atom(
-                tma_load_op(w_mcast), mW, cute.slice_(row_pieces_layout(sW_layout, W_PIECE_ROWS), (None, None, 0)),
-                (W_PIECE_ROWS, BLOCK_K), num_multicast=1)
+                tma_load_op(w_mcast), mW, cute.slice_(row_pieces_layout(sW_layout, cfg.w_piece_rows), (None, None, 0)),
+                (cfg.w_piece_rows, BLOCK_K), num_multicast=1)
         else:
             tma_w, mW_tma = cpasync.make_tiled_tma_atom(
                 tma_load_op(w_mcast), mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K),
@@ -359,7 +363,7 @@ class WideGemmKernel:
         # What the W loads fill: the stage buffers, or with W in blocks their pieces.
         sW_load = sW
         if const_expr(cfg.w_blocked):
-            sW_load = storage.sW.get_tensor(row_pieces_layout(sW_layout, W_PIECE_ROWS).outer, swizzle=sW_layout.inner)
+            sW_load = storage.sW.get_tensor(row_pieces_layout(sW_layout, cfg.w_piece_rows).outer, swizzle=sW_layout.inner)
         if warp == cfg.producer_warp:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(cfg.stages):
@@ -409,7 +413,7 @@ class WideGemmKernel:
         w_mcast = cfg.w_multicast
         if const_expr(cfg.w_blocked):
             # (piece rows, K) boxes; the buffers' index is (piece, stage).
-            gW = cute.local_tile(mW_tma, (W_PIECE_ROWS, BLOCK_K), (None, None))
+            gW = cute.local_tile(mW_tma, (cfg.w_piece_rows, BLOCK_K), (None, None))
             tWsW, tWgW = cpasync.tma_partition(
                 tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
         else:

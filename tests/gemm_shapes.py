@@ -116,7 +116,9 @@ TUNING_CASES = [
     (64, 7168, 36864, "silu_mul", dict(w_blocked=1, w_block_rows=16)),
     (32, 8192, 7168, None, dict(w_blocked=1, w_block_rows=16, block_k=128)),
     (256, 8192, 7168, None, dict(wide=1, w_blocked=1, w_block_rows=16)),
-    (128, 7168, 10240, None, dict(wide=1, w_blocked=1, w_block_rows=16)),
+    (128, 7168, 10240, None, dict(wide=1, w_blocked=1, w_block_rows=16)),    # one 4-D box per stage
+    (128, 18432, 7168, None, dict(wide=1, cluster=1, w_blocked=1, w_block_rows=16)),
+    (64, 1024, 36864, None, dict(wide=1, n_tile=64, w_blocked=1, w_block_rows=16)),
     # plan's own choice on blocks: stream-K where the 80- / 112-row whole-K tiles would run on
     # rows, the whole-K tiles where theirs are 160 rows.
     (128, 7168, 10240, None, dict(w_blocked=1)),

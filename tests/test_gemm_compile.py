@@ -833,7 +833,8 @@ def test_w_blocked_is_a_knob_of_both_kernels(m, k, n, rows_kernel, blocks_kernel
 @pytest.mark.parametrize("m, k, n, epilogue, tuning", [
     (8, 8192, 7168, None, {}),
     (32, 8192, 7168, None, {"block_k": 128}),
-    (256, 8192, 7168, None, {"wide": 1}),
+    (256, 8192, 7168, None, {"wide": 1}),                  # pieces, shared by a pair
+    (128, 7168, 10240, None, {"wide": 1}),                 # no pair: one box of the tile's blocks
 ])
 def test_ptx_16_row_blocks(m, k, n, epilogue, tuning):
     """w_block_rows=16: W's loads stay 4-D boxes (a 64-row box spans four 16-row blocks;
@@ -849,6 +850,9 @@ def test_ptx_16_row_blocks(m, k, n, epilogue, tuning):
     w_loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.4d" in line]
     per_stage = cfg.w_pieces if isinstance(cfg, WideGemmConfig) else cfg.w_boxes
     assert len(w_loads) % per_stage == 0 and w_loads
+    if isinstance(cfg, WideGemmConfig):
+        assert cfg.w_pieces == (1 if cfg.w_multicast == 1 else cfg.n_tile // 16)
+        assert len(w_loads) == 2 * cfg.w_pieces        # the prologue's and the main loop's
 
 
 def test_w_block_rows_knob():
