@@ -110,8 +110,10 @@ DECODE_GEMM_MAX_BATCH = 16
 # 64. At 128 rows down / qkv / o_proj on the decode GEMM (its whole-K tiles there, on row-major
 # weights) measured bimodal in the step, 4100-4332 against 4131-4164 us (bench/gemm_notes.md
 # §21; again in session 13), so the crossovers stay at 64. Both decode GEMMs read blocks since
-# session 27 (§34), so a higher crossover would now keep the blocks at every size; not measured
-# in the step yet (bench/gemm_notes.md §34 names the A/B to run).
+# session 27 (§34, where the blocks leave its kernel as it is). In the step (session 27, one A/B
+# in one process, bench/results/step_decode_gemm_mid_rows_ab_8l_*_session27.txt) every linear on
+# the decode GEMM measured 3994-4085 against cuBLAS's 4040-4090 us at 128 rows (bimodal) and
+# 6630-6645 against 6485-6525 at 256: the crossovers stay at 64.
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 64,
     (18432, 7168, None): 64,
