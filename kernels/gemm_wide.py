@@ -43,7 +43,9 @@ Structure
   contiguous 2 KB of a block (4-D tensor map), into the same swizzled buffer (the swizzle
   follows the shared-memory address). In a pair sharing W, each CTA loads the even or the odd
   pieces and multicasts them whole. Faster than rows only with 160- and 256-row tiles, slower
-  with 80 and 112, so the default on blocks is narrower (``BLOCKED_N_TILE_MULTIPLE``).
+  with 80 and 112, so the default on blocks is narrower (``BLOCKED_N_TILE_MULTIPLE``). In
+  16-row blocks (``w_block_rows=16``, a measurement knob) a tile is whole blocks, so without a
+  W pair its stage is one 4-D box: 1-4% faster than rows there (bench/gemm_notes.md §34).
 * **Epilogue**: fp32 accumulators rounded once to bf16 and stored straight from the fragment,
   two adjacent y columns per 4-byte store, batch rows >= M (and rows another warpgroup owns)
   masked.
