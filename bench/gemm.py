@@ -230,7 +230,6 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2:]
     err = ((outs[0].float() - ref).norm() / ref.norm()).item()
 
-
     def ours(use_pdl, tuning):
         w_in, knobs = weights_and_knobs(tuning)
 

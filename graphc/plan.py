@@ -1,7 +1,8 @@
 """Static memory for a schedule: every buffer, every weight, bound to every kernel.
 
 Weights are bound as stored (``Weights``): row-major, or in 64 x 64 blocks for the weights only
-the decode GEMM's stream-K kernel reads at every captured batch size (``blocked_weights``, the
+the decode GEMM reads, with a kernel that gains from blocks, at every captured batch size
+(``blocked_weights``, the
 build's choice; ``check_weight_orders`` refuses a build whose kernels could not read them).
 
 One set of buffers is allocated for the largest batch size; a smaller batch uses the first

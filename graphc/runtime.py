@@ -390,7 +390,7 @@ def _sm_count(dev: torch.device) -> int:
 def _weights_in_blocks(schedules: dict[int, Schedule], dev: torch.device, weights, block_weights: bool,
                        progress: Callable[[str], None]) -> set[str]:
     """The weights this build will have stored in blocks: on a GPU, those only the decode
-    GEMM's stream-K kernel reads (``plan.blocked_weights``), unless a build sharing ``weights``
+    GEMM reads, with a kernel that gains from blocks (``plan.blocked_weights``), unless a build sharing ``weights``
     reads them row-major; plus any a shared ``Weights`` already holds in blocks. ``progress``
     hears which weights a large captured size keeps row-major at every size."""
     blocked = set()

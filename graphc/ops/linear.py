@@ -83,8 +83,8 @@ def _decode_gemm_variants(op: "LinearOp", batch: int, sms: int, blocked: bool) -
 
 
 def _decode_gemm_reads_blocks(op: "LinearOp", batch: int, sms: int) -> bool:
-    # The stream-K kernel does (2-7% faster from them, bench/gemm_notes.md §33), the whole-K
-    # tiles that plan() picks at some batch sizes from 116 rows do not.
+    # Both decode GEMMs read blocks; true where the blocks leave plan()'s kernel as it is (not
+    # where 80- or 112-row whole-K tiles run: bench/gemm_notes.md §33-§34).
     from graphc.kernels.gemm import reads_blocks
 
     return reads_blocks(batch, op.k, op.n, op.epilogue, sms)
