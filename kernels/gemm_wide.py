@@ -203,17 +203,41 @@ class WideGemmConfig:
         self.w_blocked = on_off_knob("w_blocked", w_blocked, False, self.n % weight_blocks.BLOCK == 0,
                                      f"with W given as its blocks (kernels/weight_blocks.py; N={self.n} "
                                      f"a multiple of {weight_blocks.BLOCK})")
-        # Rows per block: 64, or 16 as a measurement variant. In 16-row blocks a tile's rows
-        # are whole blocks, so without W shared in a pair its stage is one box (4-D: its
-        # n_tile / 16 blocks); otherwise W_PIECE_ROWS-row pieces (each pair CTA loads half).
+        # Rows per block: 64, or 16 as a measurement variant.
         self.w_block_rows = block_rows_knob(w_block_rows, self.w_blocked)
-        one_box = self.w_block_rows == W_PIECE_ROWS and self.w_multicast == 1
-        self.w_piece_rows = self.n_tile if one_box or not self.w_blocked else W_PIECE_ROWS
-        self.w_pieces = self.n_tile // self.w_piece_rows
-        # Shared memory per stage (64-row x buffers), and what TMA delivers into it.
+        self.w_box_rows, self.w_boxes, self.w_box_step = self.w_boxes_of_stage()
+        # Shared memory per stage (64-row x buffers), and what TMA delivers into it: with
+        # overlapping boxes (a pair's halves of an odd block count) the shared block twice.
         self.stage_bytes = self.wgs * WG_ROWS * BLOCK_K * 2 + self.w_stage_bytes
-        self.stage_tx_bytes = self.wgs * self.x_box_rows * BLOCK_K * 2 + self.w_stage_bytes
+        self.stage_tx_bytes = (self.wgs * self.x_box_rows * BLOCK_K * 2
+                               + self.w_boxes * self.w_box_rows * BLOCK_K * 2)
         self.stages = pipeline_stages(stages, self.stage_bytes)
+
+    def w_boxes_of_stage(self) -> tuple[int, int, int]:
+        """How a stage's W (the tile's n_tile rows, one k-block) is loaded: (rows per box, boxes,
+        rows from one box's start to the next's). In a pair sharing W the CTA of rank r loads
+        boxes r, r + 2, ... and multicasts each to both.
+
+        * Row-major W: one box of the tile (in a pair, TMA's multicast partition halves it).
+        * 64-row blocks: the tile's rows start at any multiple of 16, so they need not be whole
+          blocks: W_PIECE_ROWS-row pieces, each contiguous 2 KB of one block.
+        * 16-row blocks: the tile is whole blocks, so one box of all of them (4-D); in a pair,
+          each CTA one box of half of them. With an odd block count (7 at 112 rows) the two
+          halves overlap by one block, which both CTAs load: one box shape and tensor map,
+          at 1/B more of the tile read from L2 (the second read of that block is an L2 hit)."""
+        if not self.w_blocked:
+            return self.n_tile, 1, self.n_tile
+        if self.w_block_rows != W_PIECE_ROWS:
+            return W_PIECE_ROWS, self.n_tile // W_PIECE_ROWS, W_PIECE_ROWS
+        blocks = self.n_tile // self.w_block_rows
+        if self.w_multicast == 1 or blocks == 1:
+            return self.n_tile, 1, self.n_tile
+        half = _ceil_div(blocks, 2) * self.w_block_rows
+        if (self.n // self.w_block_rows) % (half // self.w_block_rows):
+            # A box of `half` rows must tile W's block rows (CuTe's local_tile): pieces instead.
+            return W_PIECE_ROWS, self.n_tile // W_PIECE_ROWS, W_PIECE_ROWS
+        return half, 2, self.n_tile - half
+
 
     @staticmethod
     def wave_fill(m: int, n: int, sms: int, batch_tile: int, n_tile: int) -> float:
@@ -320,8 +344,8 @@ class WideGemmKernel:
             # One piece per box, each multicast whole (a half piece would be one 8-row
             # swizzle atom, which CuTe DSL 4.8.1 cannot make a box of).
             tma_w, mW_tma = cpasync.make_tiled_tma_atom(
-                tma_load_op(w_mcast), mW, cute.slice_(row_pieces_layout(sW_layout, cfg.w_piece_rows), (None, None, 0)),
-                (cfg.w_piece_rows, BLOCK_K), num_multicast=1)
+                tma_load_op(w_mcast), mW, cute.slice_(self.w_boxes_layout(sW_layout), (None, None, 0)),
+                (cfg.w_box_rows, BLOCK_K), num_multicast=1)
         else:
             tma_w, mW_tma = cpasync.make_tiled_tma_atom(
                 tma_load_op(w_mcast), mW, cute.slice_(sW_layout, (None, None, 0)), (cfg.n_tile, BLOCK_K),
@@ -338,6 +362,11 @@ class WideGemmKernel:
         self.kernel(tma_x, mX_tma, tma_w, mW_tma, mY, tiled_mma, sX_layout, sW_layout).launch(
             grid=[cfg.ctas, 1, 1], block=[cfg.threads, 1, 1],
             cluster=[cfg.cluster, 1, 1] if const_expr(cfg.cluster > 1) else None, stream=stream, use_pdl=use_pdl)
+
+    def w_boxes_layout(self, sW_layout):
+        """The W stage buffers as the blocked W's boxes fill them: (box rows, K, (box, stage))."""
+        cfg = self.cfg
+        return row_pieces_layout(sW_layout, cfg.w_box_rows, cfg.w_box_step, cfg.w_boxes)
 
     @cute.kernel
     def kernel(self, tma_x: cute.CopyAtom, mX_tma: cute.Tensor, tma_w: cute.CopyAtom, mW_tma: cute.Tensor,
@@ -365,7 +394,7 @@ class WideGemmKernel:
         # What the W loads fill: the stage buffers, or with W in blocks their pieces.
         sW_load = sW
         if const_expr(cfg.w_blocked):
-            sW_load = storage.sW.get_tensor(row_pieces_layout(sW_layout, cfg.w_piece_rows).outer, swizzle=sW_layout.inner)
+            sW_load = storage.sW.get_tensor(self.w_boxes_layout(sW_layout).outer, swizzle=sW_layout.inner)
         if warp == cfg.producer_warp:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(cfg.stages):
@@ -412,16 +441,6 @@ class WideGemmKernel:
         """``sX``: the x buffers as TMA fills them (their first ``x_box_rows`` rows); ``sW``: the
         W buffers as TMA fills them (whole, or in pieces with W in blocks)."""
         cfg = self.cfg
-        w_mcast = cfg.w_multicast
-        if const_expr(cfg.w_blocked):
-            # (piece rows, K) boxes; the buffers' index is (piece, stage).
-            gW = cute.local_tile(mW_tma, (cfg.w_piece_rows, BLOCK_K), (None, None))
-            tWsW, tWgW = cpasync.tma_partition(
-                tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-        else:
-            gW = cute.local_tile(mW_tma, (cfg.n_tile, BLOCK_K), (None, None))
-            tWsW, tWgW = cpasync.tma_partition(   # sharing W in a pair: this CTA's half of the rows
-                tma_w, rank % w_mcast, cute.make_layout(w_mcast), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
         evict_first = Int64(EVICT_FIRST)
 
         # Before the PDL wait: W only, into the fresh stages, each barrier armed with the
@@ -430,7 +449,7 @@ class WideGemmKernel:
         for i in cutlass.range(n_pre, unroll=1):
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
-            self.load_w(tma_w, tWgW, tWsW, cta, rank, i, i, full + i, evict_first)
+            self.load_w(tma_w, mW_tma, sW, cta, rank, i, i, full + i, evict_first)
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(n_pre, unroll=1):
             self.load_x(tma_x, mX_tma, sX, cta, rank, i, i, full + i)
@@ -439,26 +458,37 @@ class WideGemmKernel:
             cute.arch.mbarrier_wait(empty + s, ((i // cfg.stages) % 2) ^ 1)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_tx_bytes)
-            self.load_w(tma_w, tWgW, tWsW, cta, rank, i, s, full + s, evict_first)
+            self.load_w(tma_w, mW_tma, sW, cta, rank, i, s, full + s, evict_first)
             self.load_x(tma_x, mX_tma, sX, cta, rank, i, s, full + s)
 
     @cute.jit
-    def load_w(self, tma_w, tWgW, tWsW, cta, rank, i: Int32, stage: Int32, bar, evict_first: Int64):
-        """TMA of this CTA's iteration i's W (its tile's n_tile rows, its k-block): one box, or
-        with W in blocks its pieces; sharing W in a pair, this CTA's half of the rows (of the
-        pieces: the even or the odd ones), multicast to both."""
+    def load_w(self, tma_w, mW_tma, sW, cta, rank, i: Int32, stage: Int32, bar, evict_first: Int64):
+        """TMA of this CTA's iteration i's W (its tile's n_tile rows, its k-block) into ``sW``
+        (the stage buffers, or with W in blocks their (box, stage) pieces): the boxes of
+        ``w_boxes_of_stage``; sharing W in a pair, this CTA's (boxes r, r + 2, ..., or with
+        row-major W its half of the one box's rows), multicast to both."""
         cfg = self.cfg
         local = i // cfg.k_blocks
         n_blk, _ = self.tile_coords(cta, local)
         kb = i - local * cfg.k_blocks
         if const_expr(cfg.w_blocked):
-            for p in cutlass.range_constexpr(cfg.w_pieces):
+            rows = cfg.w_block_rows
+            for p in cutlass.range_constexpr(cfg.w_boxes):
                 if p % cfg.w_multicast == rank % cfg.w_multicast:
-                    tma_load(tma_w, tWgW[(None, n_blk * cfg.w_pieces + p, kb)], tWsW[(None, (p, stage))], bar,
+                    first = n_blk * cfg.n_tile + p * cfg.w_box_step
+                    # W's coordinates are ((row in block, block row), K): the box's first row.
+                    gW = cute.local_tile(cute.domain_offset(((first % rows, first // rows), 0), mW_tma),
+                                         (cfg.w_box_rows, BLOCK_K), (0, None))
+                    tWsW, tWgW = cpasync.tma_partition(
+                        tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+                    tma_load(tma_w, tWgW[(None, kb)], tWsW[(None, (p, stage))], bar,
                              cfg.w_multicast, cache_policy=evict_first)
         else:
-            tma_load(tma_w, tWgW[(None, n_blk, kb)], tWsW[(None, stage)], bar,
-                     cfg.w_multicast, cache_policy=evict_first)
+            gW = cute.local_tile(cute.domain_offset((n_blk * cfg.n_tile, 0), mW_tma), (cfg.n_tile, BLOCK_K), (0, None))
+            tWsW, tWgW = cpasync.tma_partition(
+                tma_w, rank % cfg.w_multicast, cute.make_layout(cfg.w_multicast), cute.group_modes(sW, 0, 2),
+                cute.group_modes(gW, 0, 2))
+            tma_load(tma_w, tWgW[(None, kb)], tWsW[(None, stage)], bar, cfg.w_multicast, cache_policy=evict_first)
 
     @cute.jit
     def load_x(self, tma_x, mX_tma, sX, cta, rank, i: Int32, stage: Int32, bar):

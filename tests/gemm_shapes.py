@@ -117,6 +117,13 @@ TUNING_CASES = [
     (32, 8192, 7168, None, dict(w_blocked=1, w_block_rows=16, block_k=128)),
     (256, 8192, 7168, None, dict(wide=1, w_blocked=1, w_block_rows=16)),
     (128, 7168, 10240, None, dict(wide=1, w_blocked=1, w_block_rows=16)),    # one 4-D box per stage
+    # ... and in a pair sharing W one box of half the tile's blocks per CTA: 10 blocks as 5 + 5,
+    # 7 as 4 + 4 overlapping by one (also over several tiles per CTA), 3 as 2 + 2, and 5 as
+    # pieces (3 blocks do not tile N's 20).
+    (256, 7168, 10240, None, dict(wide=1, w_blocked=1, w_block_rows=16)),
+    (256, 1024, 14336, None, dict(wide=1, n_tile=112, w_blocked=1, w_block_rows=16)),
+    (256, 1024, 3072, None, dict(wide=1, n_tile=48, w_blocked=1, w_block_rows=16)),
+    (256, 1024, 320, None, dict(wide=1, n_tile=80, w_blocked=1, w_block_rows=16)),
     (128, 18432, 7168, None, dict(wide=1, cluster=1, w_blocked=1, w_block_rows=16)),
     (64, 1024, 36864, None, dict(wide=1, n_tile=64, w_blocked=1, w_block_rows=16)),
     # plan's own choice on blocks: stream-K where the 80- / 112-row whole-K tiles would run on

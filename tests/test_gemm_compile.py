@@ -792,15 +792,15 @@ def test_wide_ptx_w_blocked(m, k, n, tuning):
     16 rows, each a 4-D box (row and K within a block, block row and column), all before the
     PDL wait in the prologue; x stays 2-D. In a pair sharing W, each piece is multicast."""
     cfg = gemm.plan(m, k, n, None, 132, wide=1, w_blocked=1, **tuning)
-    assert cfg.w_pieces == cfg.n_tile // 16
+    assert (cfg.w_box_rows, cfg.w_boxes) == (16, cfg.n_tile // 16)
     ptx = _wide_ptx(cfg)
     wait = ptx.index("griddepcontrol.wait")
     tma = _tma_loads(ptx)
     prologue = _tma_loads(ptx[:wait])
-    assert [dim for dim, _ in prologue] == ["4d"] * cfg.w_pieces
+    assert [dim for dim, _ in prologue] == ["4d"] * cfg.w_boxes
     assert {dim for dim, _ in tma} == {"2d", "4d"} and all(len(c) == int(d[0]) for d, c in tma)
     w_loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.4d" in line]
-    assert len(w_loads) == 2 * cfg.w_pieces     # the prologue's and the main loop's
+    assert len(w_loads) == 2 * cfg.w_boxes      # the prologue's and the main loop's
     assert all(("multicast::cluster" in line) == (cfg.pair_shares == "w") for line in w_loads)
 
 
@@ -830,15 +830,20 @@ def test_w_blocked_is_a_knob_of_both_kernels(m, k, n, rows_kernel, blocks_kernel
     assert not gemm.reads_blocks(8, 1000, 1024)
 
 
-@pytest.mark.parametrize("m, k, n, epilogue, tuning", [
-    (8, 8192, 7168, None, {}),
-    (32, 8192, 7168, None, {"block_k": 128}),
-    (256, 8192, 7168, None, {"wide": 1}),                  # pieces, shared by a pair
-    (128, 7168, 10240, None, {"wide": 1}),                 # no pair: one box of the tile's blocks
+@pytest.mark.parametrize("m, k, n, epilogue, tuning, wide_boxes", [
+    (8, 8192, 7168, None, {}, None),
+    (32, 8192, 7168, None, {"block_k": 128}, None),
+    (256, 8192, 7168, None, {"wide": 1}, (64, 2, 48)),          # a pair: halves of 7 blocks, overlapping by one
+    (256, 7168, 10240, None, {"wide": 1}, (80, 2, 80)),         # a pair: halves of 10 blocks
+    (200, 1024, 4096, None, {"wide": 1, "n_tile": 16}, (16, 1, 16)),   # a pair, one block: rank 0 loads it
+    (128, 7168, 10240, None, {"wide": 1}, (80, 1, 80)),         # no pair: one box of the tile's blocks
+    (256, 1024, 3072, None, {"wide": 1, "n_tile": 48}, (32, 2, 16)),   # halves of 3 blocks
+    (256, 1024, 320, None, {"wide": 1, "n_tile": 80}, (16, 5, 16)),    # 3 blocks do not tile 20: pieces
 ])
-def test_ptx_16_row_blocks(m, k, n, epilogue, tuning):
-    """w_block_rows=16: W's loads stay 4-D boxes (a 64-row box spans four 16-row blocks;
-    the whole-K tiles' 16-row pieces are one block each), x's stay 2-D."""
+def test_ptx_16_row_blocks(m, k, n, epilogue, tuning, wide_boxes):
+    """w_block_rows=16: W's loads stay 4-D boxes (a 64-row box spans four 16-row blocks; a
+    whole-K tile's stage is one box of its blocks, or in a pair sharing W one box of half of
+    them per CTA, multicast), x's stay 2-D."""
     cfg = gemm.plan(m, k, n, epilogue, 132, w_blocked=1, w_block_rows=16, **tuning)
     assert cfg.w_block_rows == 16 and "w_block_rows=16" in repr(cfg)
     if isinstance(cfg, WideGemmConfig):
@@ -848,11 +853,15 @@ def test_ptx_16_row_blocks(m, k, n, epilogue, tuning):
     dims = {dim for dim, _ in _tma_loads(ptx)}
     assert dims == {"2d", "4d"}
     w_loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.4d" in line]
-    per_stage = cfg.w_pieces if isinstance(cfg, WideGemmConfig) else cfg.w_boxes
-    assert len(w_loads) % per_stage == 0 and w_loads
-    if isinstance(cfg, WideGemmConfig):
-        assert cfg.w_pieces == (1 if cfg.w_multicast == 1 else cfg.n_tile // 16)
-        assert len(w_loads) == 2 * cfg.w_pieces        # the prologue's and the main loop's
+    assert w_loads and (wide_boxes is None) == (not isinstance(cfg, WideGemmConfig))
+    if wide_boxes is None:
+        assert len(w_loads) % cfg.w_boxes == 0
+        return
+    assert (cfg.w_box_rows, cfg.w_boxes, cfg.w_box_step) == wide_boxes
+    assert len(w_loads) == 2 * cfg.w_boxes        # the prologue's and the main loop's
+    assert all(("multicast::cluster" in line) == (cfg.w_multicast == 2) for line in w_loads)
+    # Each CTA's barrier expects every box of the stage, the overlapping block twice.
+    assert cfg.stage_tx_bytes == cfg.wgs * cfg.x_box_rows * 128 + cfg.w_boxes * cfg.w_box_rows * 128
 
 
 def test_w_block_rows_knob():
