@@ -17,7 +17,8 @@ every attention call it makes, ``cluster.KNOB`` one of the cluster attention
 (kernels/decode_attention_cluster.py: trigger_at). ``impl.KIND=NAME`` builds the variant with implementation NAME
 for the op kind KIND (``graphc.build``'s ``implementations``); ``build.block_weights=0`` builds it with
 every weight row-major (``graphc.build``'s ``block_weights``; the decode GEMM reads the weights it alone
-reads in 64 x 64 blocks by default). Variants with only knobs share the shipped step's weights; one
+reads in 64 x 64 blocks by default), ``build.block_rows=16`` with those blocks of 16 rows
+(``graphc.build``'s ``block_rows``). Variants with only knobs share the shipped step's weights; one
 with ``impl.`` or ``build.`` settings, which may store them in another order, gets its own copy (the
 same values: the same seed). Each variant is captured once; every round replays each variant in turn (``graphc.bench.interleaved_rounds``: the
 median of 100 replays per variant and round), so a board that slows down or caps its power hits every variant alike.
@@ -43,7 +44,7 @@ ATTENTION_KNOBS = ("chunk", "block_n", "num_warps", "num_stages", "combine_split
 CLUSTER = "cluster."
 CLUSTER_KNOBS = ("trigger_at",)     # kernels/decode_attention_cluster.py
 BUILD = "build."
-BUILD_OPTIONS = ("block_weights",)  # graphc.build's keyword arguments a variant may set
+BUILD_OPTIONS = ("block_weights", "block_rows")  # graphc.build's keyword arguments a variant may set
 
 
 def parse_variant(text: str) -> tuple[str, dict, set | None, dict, dict]:
@@ -70,7 +71,8 @@ def parse_variant(text: str) -> tuple[str, dict, set | None, dict, dict]:
             raise SystemExit(f"--variant {text!r}: {item!r} is not KNOB=V with KNOB one of {', '.join(known)} "
                              f"and V an integer (or {IMPL}KIND=NAME)")
         if knob.startswith(BUILD):
-            options[knob[len(BUILD):]] = bool(int(value))
+            option = knob[len(BUILD):]
+            options[option] = bool(int(value)) if option == "block_weights" else int(value)
         else:
             knobs[knob] = int(value)
     roles = set(filter(None, role_text.split(","))) or None

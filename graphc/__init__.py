@@ -30,7 +30,8 @@ def build(*args, **kwargs):
     compile the kernels and capture one CUDA graph per batch size.
 
     ``build(spec, batch_sizes=(1, 2, 4, 8), weights=None, device="cuda", implementations=None,
-    use_pdl=True, seed=0, progress=print_to_stderr, compile_jobs=None, block_weights=True)``
+    use_pdl=True, seed=0, progress=print_to_stderr, compile_jobs=None, block_weights=True,
+    block_rows=64)``
 
     spec:            a layer spec path (``layer_specs/*.yaml``, docs/spec.md) or a loaded ``Spec``.
     batch_sizes:     the batch sizes to capture (1 to 512); a call with b rows replays the
@@ -50,6 +51,8 @@ def build(*args, **kwargs):
                      ``step.plan.weights.matrix(name)`` gives it back as [N, K]. False keeps
                      every weight row-major. A ``Weights`` object passed in is reordered in
                      place, except weights another build already reads row-major.
+    block_rows:      rows per block of those weights: 64 (the default), or 16 (2 KB blocks,
+                     bench/gemm_notes.md §35).
 
     Every refusal (a spec mistake, an unsupported shape, a build that cannot fit, a bad weights
     file) raises a ``graphc.GraphcError`` naming the problem, before anything is allocated.

@@ -36,6 +36,7 @@ import time
 from typing import Callable, Iterable, Iterator, Mapping
 
 from .errors import GraphcError
+from .kernels import weight_blocks
 
 Variant = tuple[str, tuple]            # (kernel module, compile-cache key)
 
@@ -43,15 +44,16 @@ JOBS_ENV = "GRAPHC_COMPILE_JOBS"
 MAX_DEFAULT_JOBS = 8                   # each worker holds the DSL and MLIR: ~0.5-1 GB of memory
 
 
-def schedule_variants(schedules: Mapping, sms: int, blocked: Iterable[str] | None = None) -> list[Variant]:
+def schedule_variants(schedules: Mapping, sms: int, blocked: Iterable[str] | None = None,
+                      block_rows: int = weight_blocks.BLOCK) -> list[Variant]:
     """Every kernel variant the warm-up of these schedules (batch size -> Schedule) loads, each
     once, in the warm-up's order (largest batch first). ``sms``: the GPU's SM count, which the
-    decode GEMM's partition depends on; ``blocked``: the weights stored in 64 x 64 blocks
-    (default: those a build of these schedules that creates its weights stores so,
-    ``plan.blocked_weights``), whose readers load a kernel compiled for that order."""
+    decode GEMM's partition depends on; ``blocked``: the weights stored in blocks of
+    ``block_rows`` x 64 (default: those a build of these schedules that creates its weights
+    stores so, ``plan.blocked_weights``), whose readers load a kernel compiled for that order."""
     from .plan import blocked_weights
 
-    blocked = set(blocked_weights(schedules, sms) if blocked is None else blocked)
+    blocked = set(blocked_weights(schedules, sms, block_rows) if blocked is None else blocked)
     found: dict[Variant, None] = {}
     for batch in sorted(schedules, reverse=True):
         for k in schedules[batch].kernels:
@@ -59,7 +61,7 @@ def schedule_variants(schedules: Mapping, sms: int, blocked: Iterable[str] | Non
             if impl.variants is not None:
                 names = [name for name, _ in k.op.weight_shapes().values()]
                 in_blocks = bool(names) and all(name in blocked for name in names)
-                found.update(dict.fromkeys(impl.variants(k.op, batch, sms, in_blocks)))
+                found.update(dict.fromkeys(impl.variants(k.op, batch, sms, block_rows if in_blocks else 0)))
     return list(found)
 
 

@@ -135,27 +135,28 @@ def _reads_blocks(k, batch: int, sms: int) -> bool:
     return reads is not None and reads(k.op, batch, sms)
 
 
-def blocked_weights(schedules: Mapping[int, Schedule], sms: int) -> set[str]:
-    """The weights a build of these schedules on a GPU of ``sms`` SMs stores in 64 x 64 blocks
-    (kernels/weight_blocks.py): those whose every reader, at every captured batch size, reads
+def blocked_weights(schedules: Mapping[int, Schedule], sms: int, rows: int = weight_blocks.BLOCK) -> set[str]:
+    """The weights a build of these schedules on a GPU of ``sms`` SMs stores in blocks of
+    ``rows`` x 64 (kernels/weight_blocks.py): those whose every reader, at every captured batch size, reads
     blocks (the decode GEMM, 2-7% faster from them, wherever they leave its choice of kernel as
     it is: ``gemm.reads_blocks``; bench/gemm_notes.md §33-§34). A weight that any kernel reads
     row-major stays so: one copy of each weight, in one order, serves every captured graph.
     (So a build that also captures a batch size where a layer runs cuBLAS keeps that layer's
     weight row-major at every size.)"""
     return {name for name, (shape, readers) in weight_readers(schedules).items()
-            if weight_blocks.blockable(shape) and all(_reads_blocks(k, batch, sms) for batch, k in readers)}
+            if weight_blocks.blockable(shape, rows) and all(_reads_blocks(k, batch, sms) for batch, k in readers)}
 
 
-def row_major_for_some_sizes(schedules: Mapping[int, Schedule], sms: int) -> dict[str, tuple[int, object]]:
+def row_major_for_some_sizes(schedules: Mapping[int, Schedule], sms: int,
+                             rows: int = weight_blocks.BLOCK) -> dict[str, tuple[int, object]]:
     """Weight name -> (batch size, kernel) of its first row-major reader, for the weights that
     the decode GEMM reads in blocks at some captured sizes but a kernel reads row-major
     at others: what ``blocked_weights`` keeps row-major at every size (a build says so)."""
     kept = {}
     for name, (shape, readers) in weight_readers(schedules).items():
-        rows = [(batch, k) for batch, k in readers if not _reads_blocks(k, batch, sms)]
-        if rows and len(rows) < len(readers) and weight_blocks.blockable(shape):
-            kept[name] = rows[0]
+        by_rows = [(batch, k) for batch, k in readers if not _reads_blocks(k, batch, sms)]
+        if by_rows and len(by_rows) < len(readers) and weight_blocks.blockable(shape, rows):
+            kept[name] = by_rows[0]
     return kept
 
 
@@ -168,7 +169,7 @@ def check_weight_orders(schedules: Mapping[int, Schedule], weights: Weights, sms
             for batch, k in readers:
                 if not _reads_blocks(k, batch, sms):
                     raise GraphcError(
-                        f"weight {name} is stored in 64 x 64 blocks (an earlier build sharing these "
+                        f"weight {name} is stored in blocks (an earlier build sharing these "
                         f"Weights put it there), but {k.node} at batch {batch} runs {k.impl}, which "
                         f"reads it row-major; give this build its own weights, or build both with "
                         f"block_weights=False")

@@ -22,6 +22,7 @@ import torch
 
 from .errors import GraphcError
 from .graph import build_graph, weight_shapes
+from .kernels import weight_blocks
 from .plan import Plan, blocked_weights, check_fits, check_weight_orders, row_major_for_some_sizes
 from .reference import run_kernels
 from .schedule import Schedule, build_schedule, implementations_for_gpu
@@ -372,15 +373,15 @@ def check_memory(schedule: Schedule, max_batch: int, dev: torch.device, weights)
 
 
 def _compiling_kernels_ahead(schedules: dict[int, Schedule], dev: torch.device, blocked: set[str],
-                             jobs: int | None, progress: Callable[[str], None]):
+                             block_rows: int, jobs: int | None, progress: Callable[[str], None]):
     """On a GPU, the kernel variants the schedules need (``blocked``: the weights stored in
-    blocks) and no cache holds compile in worker processes while the body runs
-    (graphc/compile_ahead.py); on the CPU nothing compiles."""
+    blocks of ``block_rows`` rows) and no cache holds compile in worker processes while the
+    body runs (graphc/compile_ahead.py); on the CPU nothing compiles."""
     if dev.type != "cuda":
         return contextlib.nullcontext()
     from .compile_ahead import compiling_ahead, schedule_variants
 
-    return compiling_ahead(schedule_variants(schedules, _sm_count(dev), blocked), jobs, progress)
+    return compiling_ahead(schedule_variants(schedules, _sm_count(dev), blocked, block_rows), jobs, progress)
 
 
 def _sm_count(dev: torch.device) -> int:
@@ -388,20 +389,20 @@ def _sm_count(dev: torch.device) -> int:
 
 
 def _weights_in_blocks(schedules: dict[int, Schedule], dev: torch.device, weights, block_weights: bool,
-                       progress: Callable[[str], None]) -> set[str]:
+                       progress: Callable[[str], None], block_rows: int = weight_blocks.BLOCK) -> set[str]:
     """The weights this build will have stored in blocks: on a GPU, those only the decode
     GEMM reads, with a kernel that gains from blocks (``plan.blocked_weights``), unless a build sharing ``weights``
     reads them row-major; plus any a shared ``Weights`` already holds in blocks. ``progress``
     hears which weights a large captured size keeps row-major at every size."""
     blocked = set()
     if dev.type == "cuda" and block_weights:
-        blocked = blocked_weights(schedules, _sm_count(dev))
-        kept = row_major_for_some_sizes(schedules, _sm_count(dev))
+        blocked = blocked_weights(schedules, _sm_count(dev), block_rows)
+        kept = row_major_for_some_sizes(schedules, _sm_count(dev), block_rows)
         if kept:
             batch, k = next(iter(kept.values()))
             progress(f"{len(kept)} weights stay row-major at every batch size because a kernel that reads "
                      f"them so runs at some (e.g. {k.node} runs {k.impl} at batch {batch}); at the others the decode "
-                     f"GEMM would stream them 2-7% faster in 64 x 64 blocks: for that, capture those sizes in a "
+                     f"GEMM would stream them 2-7% faster in {block_rows} x 64 blocks: for that, capture those sizes in a "
                      f"build of their own, with its own weights")
     if isinstance(weights, Weights):
         blocked = (blocked - weights.pinned_rows) | weights.blocked()
@@ -412,7 +413,7 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
           weights: Weights | str | os.PathLike | None = None, device: str = "cuda",
           implementations: dict | None = None, use_pdl: bool = True, seed: int = 0,
           progress: Callable[[str], None] | None = _log, compile_jobs: int | None = None,
-          block_weights: bool = True) -> DecodeStep:
+          block_weights: bool = True, block_rows: int = weight_blocks.BLOCK) -> DecodeStep:
     """Validate, schedule, plan, compile and capture: one CUDA graph per batch size. The
     parameters are described on ``graphc.build``, the public entry point.
 
@@ -420,6 +421,9 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     hears from a background thread meanwhile.
     """
     progress = progress or (lambda s: None)
+    if block_rows not in weight_blocks.ROW_BLOCKS:
+        raise GraphcError(f"block_rows={block_rows!r} unsupported: rows per weight block are "
+                          f"{' or '.join(map(str, weight_blocks.ROW_BLOCKS))}")
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     sizes = batch_size_list(batch_sizes)
     dev = run_device(device)
@@ -432,25 +436,26 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
     check_memory(schedules[sizes[-1]], sizes[-1], dev, weights)
     with _device_guard(dev):
-        blocked = _weights_in_blocks(schedules, dev, weights, block_weights, progress)
-        return _allocate_and_capture(schedules, shapes, dev, weights, seed, blocked, compile_jobs, progress)
+        blocked = _weights_in_blocks(schedules, dev, weights, block_weights, progress, block_rows)
+        return _allocate_and_capture(schedules, shapes, dev, weights, seed, blocked, block_rows, compile_jobs,
+                                     progress)
 
 
 def _allocate_and_capture(schedules: dict[int, Schedule], shapes, dev: torch.device, weights, seed: int,
-                          blocked: set[str], compile_jobs: int | None,
+                          blocked: set[str], block_rows: int, compile_jobs: int | None,
                           progress: Callable[[str], None]) -> DecodeStep:
     """The build's second half, on ``dev``: weights (while kernels compile ahead; ``blocked``
-    are stored in blocks), plan, warm-up, capture."""
+    are stored in blocks of ``block_rows`` rows), plan, warm-up, capture."""
     sizes = list(schedules)
-    with _compiling_kernels_ahead(schedules, dev, blocked, compile_jobs, progress):   # while the weights load
+    with _compiling_kernels_ahead(schedules, dev, blocked, block_rows, compile_jobs, progress):   # while the weights load
         t0 = time.perf_counter()
         if weights is None:
             weights = Weights.random(shapes, seed=seed, device=dev)
         elif not isinstance(weights, Weights):
             weights = Weights.load(weights, shapes, dev)
-        weights.store_blocked(blocked - weights.blocked())
+        weights.store_blocked(blocked - weights.blocked(), block_rows)
         progress(f"weights: {weights.nbytes() / 1e9:.2f} GB ({weights.origin}) in {time.perf_counter() - t0:.1f} s"
-                 + (f"; {len(blocked)} of {len(shapes)} in 64 x 64 blocks for the decode GEMM" if blocked else ""))
+                 + (f"; {len(blocked)} of {len(shapes)} in {block_rows} x 64 blocks for the decode GEMM" if blocked else ""))
     if dev.type == "cuda":
         check_weight_orders(schedules, weights, _sm_count(dev))
         # Captured graphs will read these row-major: no later build may move them to blocks.

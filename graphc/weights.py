@@ -68,14 +68,15 @@ class Weights:
             return self
         return Weights({name: self.matrix(name) for name in self.tensors}, f"{self.origin}, row-major")
 
-    def store_blocked(self, names) -> None:
-        """Store these weights in blocks, each in its own memory (a few MB of temporaries)."""
+    def store_blocked(self, names, rows: int = weight_blocks.BLOCK) -> None:
+        """Store these weights in blocks of ``rows`` x 64, each in its own memory (a few MB of
+        temporaries)."""
         for name in sorted(names):
             if name in self.pinned_rows:
                 raise GraphcError(f"weight {name}: a build sharing these weights reads it row-major, "
                                   f"so it cannot be stored in blocks now")
             if not self.is_blocked(name):
-                self.tensors[name] = weight_blocks.to_blocks_(self.tensors[name])
+                self.tensors[name] = weight_blocks.to_blocks_(self.tensors[name], rows)
 
     def copy_in(self, name: str, value: torch.Tensor) -> None:
         """Overwrite a weight in place with ``value`` as the model has it ([N, K]), in the

@@ -1338,12 +1338,20 @@ def reads_blocks(m: int, k: int, n: int, epilogue: str | None = None, ctas: int 
     return type(_config(m, k, n, epilogue, ctas, (("w_blocked", 1),))) is type(rows)
 
 
+def _order_knobs(block_rows: int) -> tuple:
+    """The tuning that says W's memory order: () for row-major, else w_blocked (and
+    w_block_rows where the blocks are not of the default rows), as ``plan`` takes them."""
+    if not block_rows:
+        return ()
+    return (("w_blocked", 1),) + ((("w_block_rows", int(block_rows)),) if block_rows != weight_blocks.BLOCK else ())
+
+
 def compiled_variant(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS,
-                     w_blocked: bool = False) -> tuple[str, tuple]:
+                     w_block_rows: int = 0) -> tuple[str, tuple]:
     """(kernel module, compile-cache key) of the kernel ``linear`` loads for this call with
-    default tuning on ``ctas`` SMs, the weight row-major or in blocks (``w_blocked``), so that a
-    build can compile it ahead (graphc/compile_ahead.py)."""
-    cfg = _config(m, k, n, epilogue, ctas, (("w_blocked", 1),) if w_blocked else ())
+    default tuning on ``ctas`` SMs, the weight row-major (``w_block_rows`` 0) or in blocks of
+    that many rows, so that a build can compile it ahead (graphc/compile_ahead.py)."""
+    cfg = _config(m, k, n, epilogue, ctas, _order_knobs(w_block_rows))
     module = gemm_wide.__name__ if isinstance(cfg, gemm_wide.WideGemmConfig) else __name__
     return module, cfg.key()
 
@@ -1432,12 +1440,9 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
     for knob in ("w_blocked", "w_block_rows"):
         if knob in tuning:
             raise ValueError(f"linear: {knob} follows from the weight's shape (4-D: blocks); do not pass it")
-    if weight_blocks.is_blocked(weight):
-        # Knobs of both kernels (plan weighs w_blocked in choosing between them).
-        tuning = {**tuning, "w_blocked": 1}
-        if weight_blocks.block_rows(weight) != weight_blocks.BLOCK:
-            tuning["w_block_rows"] = weight_blocks.block_rows(weight)
-    cfg = _config(m, k, n, epilogue, ctas or _sm_count(device), tuple(sorted(tuning.items())))
+    # Knobs of both kernels (plan weighs w_blocked in choosing between them).
+    order = _order_knobs(weight_blocks.block_rows(weight) if weight_blocks.is_blocked(weight) else 0)
+    cfg = _config(m, k, n, epilogue, ctas or _sm_count(device), tuple(sorted({**tuning, **dict(order)}.items())))
     if stream is None:
         stream = torch.cuda.current_stream(device)
     if isinstance(cfg, gemm_wide.WideGemmConfig):

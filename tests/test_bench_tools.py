@@ -198,6 +198,7 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
         "cl", {"cluster.trigger_at": 2}, None, {"decode_attention": "cluster"}, {})
     assert step_ab.parse_variant("rows:build.block_weights=0,impl.linear=cute") == (
         "rows", {}, None, {"linear": "cute"}, {"block_weights": False})
+    assert step_ab.parse_variant("b16:build.block_rows=16")[4] == {"block_rows": 16}
     for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9", "x:attention.heads=2",
                 "x:cluster.chunk=2", "x:impl.decode_attention=", "x:w_blocked=1", "x:build.seed=1",
                 "x:build.block_weights=no"):

@@ -95,6 +95,25 @@ def test_schedule_variants_load_the_blocked_kernels():
     assert gemm_keys and all(key[w_blocked] == 1 for key in gemm_keys)
     rows = [key for module, key in schedule_variants(s, SMS, blocked=()) if module == "graphc.kernels.gemm"]
     assert len(rows) == len(gemm_keys) and all(key[w_blocked] == 0 for key in rows)
+    # Blocks of 16 rows (graphc.build's block_rows): the kernels compiled for them.
+    w_block_rows = 5 + TUNING_KNOBS.index("w_block_rows")
+    assert all(key[w_block_rows] == 64 for key in gemm_keys)
+    sixteen = [key for module, key in schedule_variants(s, SMS, block_rows=16) if module == "graphc.kernels.gemm"]
+    assert len(sixteen) == len(gemm_keys) and all(key[w_blocked] == 1 and key[w_block_rows] == 16 for key in sixteen)
+
+
+def test_a_build_stores_the_blocks_it_is_asked_for():
+    spec, weights = tiny_weights()
+    name = "L01.mlp.down.weight"
+    plain = weights[name].clone()
+    weights.store_blocked({name}, rows=16)
+    assert weights[name].shape[2] == 16 and torch.equal(weights.matrix(name), plain)
+    s, graph = schedules(spec, [1, 4])
+    assert blocked_weights(s, SMS, 16) == blocked_weights(s, SMS)    # tiny's shapes: whole 64-row blocks
+    import graphc
+
+    with pytest.raises(GraphcError, match="block_rows=32 unsupported: rows per weight block are 64 or 16"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cpu", block_rows=32)
 
 
 def tiny_weights():
@@ -106,7 +125,7 @@ def test_a_build_cannot_read_blocks_row_major():
     spec, weights = tiny_weights()
     weights.store_blocked({"L00.attn.qkv.weight"})
     s, _ = schedules(spec, [1, 4], {"linear": "cublas"})
-    with pytest.raises(GraphcError, match=r"weight L00.attn.qkv.weight is stored in 64 x 64 blocks .* "
+    with pytest.raises(GraphcError, match=r"weight L00.attn.qkv.weight is stored in blocks .* "
                                           r"L00.attn.qkv at batch 1 runs cublas"):
         check_weight_orders(s, weights, SMS)
     check_weight_orders(schedules(spec, [1, 4])[0], weights, SMS)      # the decode GEMM reads them

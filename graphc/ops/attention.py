@@ -56,7 +56,7 @@ class _CuteAttention:
             t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"], heads=op.heads,
             kv_heads=op.kv_heads, head_dim=op.head_dim, stream=stream, use_pdl=use_pdl)
 
-    def variants(self, op, batch: int, sms: int, blocked: bool) -> list[tuple[str, tuple]]:
+    def variants(self, op, batch: int, sms: int, block_rows: int) -> list[tuple[str, tuple]]:
         kernel = importlib.import_module(self.module)
         return [kernel.compiled_variant(batch, op.heads, op.kv_heads, op.head_dim, op.max_context)]
 

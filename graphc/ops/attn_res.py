@@ -45,7 +45,7 @@ def _launch_cluster_kernel(op: "AttnResOp", t, w, stream, use_pdl: bool) -> None
     )
 
 
-def _cluster_kernel_variants(op: "AttnResOp", batch: int, sms: int, blocked: bool) -> list[tuple[str, tuple]]:
+def _cluster_kernel_variants(op: "AttnResOp", batch: int, sms: int, block_rows: int) -> list[tuple[str, tuple]]:
     from graphc.kernels.attn_res import compiled_variant
 
     return [compiled_variant(op.hidden, op.nb, op.has_delta, op.final)]   # one for every batch

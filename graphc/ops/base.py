@@ -108,8 +108,9 @@ class Implementation:
     # whose wgmma and cluster instructions no other architecture has).
     arch: str | None = None
     # The CuTe DSL kernel variants a launch at ``batch`` rows loads, as (kernel module,
-    # compile-cache key) pairs: ``variants(op, batch, sms, blocked)``, ``blocked`` saying
-    # whether the op's weights are stored in blocks (kernels/weight_blocks.py). A build
+    # compile-cache key) pairs: ``variants(op, batch, sms, block_rows)``, ``block_rows``
+    # saying how the op's weights are stored: 0 row-major, else in blocks of that many rows
+    # (kernels/weight_blocks.py). A build
     # compiles the ones not yet cached in parallel processes while its weights load
     # (graphc/compile_ahead.py). None: nothing to compile ahead (library kernels; Triton
     # compiles in the warm-up).

@@ -76,10 +76,10 @@ def _launch_decode_gemm(op: "LinearOp", t, w, stream, use_pdl: bool) -> None:
     linear(t["x"], w["weight"], t["out"], epilogue=op.epilogue, stream=stream, use_pdl=use_pdl)
 
 
-def _decode_gemm_variants(op: "LinearOp", batch: int, sms: int, blocked: bool) -> list[tuple[str, tuple]]:
+def _decode_gemm_variants(op: "LinearOp", batch: int, sms: int, block_rows: int) -> list[tuple[str, tuple]]:
     from graphc.kernels.gemm import compiled_variant
 
-    return [compiled_variant(batch, op.k, op.n, op.epilogue, sms, w_blocked=blocked)]
+    return [compiled_variant(batch, op.k, op.n, op.epilogue, sms, w_block_rows=block_rows)]
 
 
 def _decode_gemm_reads_blocks(op: "LinearOp", batch: int, sms: int) -> bool:
