@@ -169,7 +169,8 @@ def check_weight_orders(schedules: Mapping[int, Schedule], weights: Weights, sms
             for batch, k in readers:
                 if not _reads_blocks(k, batch, sms):
                     raise GraphcError(
-                        f"weight {name} is stored in blocks (an earlier build sharing these "
+                        f"weight {name} is stored in {weight_blocks.block_rows(weights[name])} x "
+                        f"{weight_blocks.BLOCK} blocks (an earlier build sharing these "
                         f"Weights put it there), but {k.node} at batch {batch} runs {k.impl}, which "
                         f"reads it row-major; give this build its own weights, or build both with "
                         f"block_weights=False")

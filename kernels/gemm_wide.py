@@ -44,8 +44,11 @@ Structure
   follows the shared-memory address). In a pair sharing W, each CTA loads the even or the odd
   pieces and multicasts them whole. Faster than rows only with 160- and 256-row tiles, slower
   with 80 and 112, so the default on blocks is narrower (``BLOCKED_N_TILE_MULTIPLE``). In
-  16-row blocks (``w_block_rows=16``, a measurement knob) a tile is whole blocks, so without a
-  W pair its stage is one 4-D box: 1-4% faster than rows there (bench/gemm_notes.md §34).
+  16-row blocks (``w_block_rows=16``, a measurement knob) a tile is whole blocks, so a stage
+  is one 4-D box of them, or in a W pair one box of half of them per CTA (an odd count's
+  halves overlap by one block, loaded by both): 1-4% faster than rows without a pair
+  (bench/gemm_notes.md §34), tied to 2% faster with one at 256 rows, 9% slower at down's 128
+  (§35). ``WideGemmConfig.w_boxes_of_stage`` says which.
 * **Epilogue**: fp32 accumulators rounded once to bf16 and stored straight from the fragment,
   two adjacent y columns per 4-byte store, batch rows >= M (and rows another warpgroup owns)
   masked.
@@ -341,8 +344,9 @@ class WideGemmKernel:
             tma_load_op(x_mcast), mX, cute.slice_(sX_box_layout, (None, None, 0)), (cfg.x_box_rows, BLOCK_K),
             num_multicast=x_mcast)
         if const_expr(cfg.w_blocked):
-            # One piece per box, each multicast whole (a half piece would be one 8-row
-            # swizzle atom, which CuTe DSL 4.8.1 cannot make a box of).
+            # One tensor map for every box of a stage (w_boxes_of_stage), each multicast whole
+            # (half a 16-row piece would be one 8-row swizzle atom, which CuTe DSL 4.8.1
+            # cannot make a box of).
             tma_w, mW_tma = cpasync.make_tiled_tma_atom(
                 tma_load_op(w_mcast), mW, cute.slice_(self.w_boxes_layout(sW_layout), (None, None, 0)),
                 (cfg.w_box_rows, BLOCK_K), num_multicast=1)
