@@ -202,7 +202,7 @@ class WideGemmConfig:
         self.x_box_rows = _ceil_div(self.m, N_TILE_STEP) * N_TILE_STEP if self.x_trim else WG_ROWS
         self.w_stage_bytes = self.n_tile * BLOCK_K * 2
         # W's memory order: row-major [N, K], or kernels/weight_blocks.py's 64 x 64 blocks
-        # (``linear`` sets it from the weight's shape), loaded in W_PIECE_ROWS-row pieces.
+        # (``linear`` sets it from the weight's shape), loaded as ``w_boxes_of_stage`` says.
         self.w_blocked = on_off_knob("w_blocked", w_blocked, False, self.n % weight_blocks.BLOCK == 0,
                                      f"with W given as its blocks (kernels/weight_blocks.py; N={self.n} "
                                      f"a multiple of {weight_blocks.BLOCK})")
@@ -230,7 +230,7 @@ class WideGemmConfig:
           at 1/B more of the tile read from L2 (the second read of that block is an L2 hit)."""
         if not self.w_blocked:
             return self.n_tile, 1, self.n_tile
-        if self.w_block_rows != W_PIECE_ROWS:
+        if self.w_block_rows == weight_blocks.BLOCK:
             return W_PIECE_ROWS, self.n_tile // W_PIECE_ROWS, W_PIECE_ROWS
         blocks = self.n_tile // self.w_block_rows
         if self.w_multicast == 1 or blocks == 1:
