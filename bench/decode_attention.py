@@ -27,10 +27,6 @@ import math
 
 import torch
 
-from graphc.bench import time_replays
-from graphc.kernels.decode_attention import decode_attention
-from graphc.ops.attention import DecodeAttentionOp
-
 def _ints(text):
     return [int(v) for v in text.split(",")]
 
@@ -54,6 +50,11 @@ ap.add_argument("--max-context", type=_ints, default=[2048],
                 help="cache capacities per slot, comma-separated (the grids of the split kernels cover "
                      "the capacity; every call reads a context of 1024)")
 args = ap.parse_args()
+
+# After the arguments, so that --help works on a machine without Triton or a GPU.
+from graphc.bench import time_replays  # noqa: E402
+from graphc.kernels.decode_attention import decode_attention  # noqa: E402
+from graphc.ops.attention import DecodeAttentionOp  # noqa: E402
 
 H, KV, HD = 64, 8, 128
 L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size

@@ -50,6 +50,10 @@ SMALL_M = ([(str(m), "1024", "1024", "none", "0") for m in range(1, 9)]
 
 
 def main() -> int:
+    unknown = [a for a in sys.argv[1:] if a not in ("--small-m", "--one-process")]
+    if unknown:                 # --help, or a typo that would otherwise run every case
+        print(__doc__)
+        return 0 if unknown in (["-h"], ["--help"]) else 2
     small = "--small-m" in sys.argv
     cases = SMALL_M if small else CASES + SMALL_M[1:7] + SMALL_M[8:]
     if "--one-process" in sys.argv:

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from .errors import GraphcError      # SpecError too (its subclass): the spec module loads torch
 
+BUILD_OUTPUTS = ("graph.json", "schedule.txt", "graph.svg", "schedule.html")
 SMALL_MODEL_BYTES = 512 << 20     # reference step runs by default below this weight size
 MAX_BATCH = 512                   # graphc.runtime.MAX_BATCH (importing it here would load torch)
 DEFAULT_CONTEXT = 1024            # tokens per sequence for the floor and the benchmark
+MAX_SEED = 2**63 - 1              # graphc.runtime.MAX_SEED
 SPEC_HELP = "layer spec YAML file, e.g. layer_specs/tiny.yaml (docs/spec.md)"
 
 
@@ -31,19 +33,35 @@ def _progress(msg: str) -> None:
 
 def _batch_sizes(text: str) -> list[int]:
     try:
-        sizes = sorted({int(x) for x in text.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {text!r}")
-    if sizes[0] < 1 or sizes[-1] > MAX_BATCH:
-        raise argparse.ArgumentTypeError(f"batch sizes must be between 1 and {MAX_BATCH}, found {text!r}")
+        sizes = sorted({_integer(x) for x in text.split(",")})
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {text!r}") from None
+    bad = [b for b in sizes if not 1 <= b <= MAX_BATCH]
+    if bad:
+        raise argparse.ArgumentTypeError(f"batch sizes must be between 1 and {MAX_BATCH}, found {bad[0]} in {text!r}")
     return sizes
 
 
 def _integer(text: str) -> int:
     try:
+        if not text.isascii():      # int() also reads other scripts' digits: '１６' would be 16
+            raise ValueError
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}") from None
+
+
+def _seed(text: str) -> int:
+    n = _integer(text)
+    if not 0 <= n <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"a seed is an integer in 0..2**63-1, found {n}")
+    return n
+
+
+def _path(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, found an empty one")
+    return text
 
 
 def _batch(text: str) -> int:
@@ -121,6 +139,36 @@ def _check_writable(path: Path, what: str, folder: bool) -> None:
         raise GraphcError(f"{what} {path}: this user cannot write into {existing}")
 
 
+def _refuse_overwriting_inputs(path: Path, what: str, others: dict) -> None:
+    """Refuse an output path that is also one of ``others`` (path -> what it is; None skipped):
+    `--write-weight-names layer_specs/x.yaml` would replace the spec with a list of names."""
+    target = path.resolve()
+    for other, name in others.items():
+        if other is not None and Path(other).resolve() == target:
+            raise GraphcError(f"{what} {path}: that is {name}; writing there would replace it")
+
+
+def _write_all(files: dict[Path, str]) -> None:
+    """Write every file under a temporary name beside it, then rename each into place: a
+    failure on the way (a full disk, a folder that refuses) leaves no truncated output and
+    replaces nothing."""
+    staged = []
+    try:
+        for path, text in files.items():
+            tmp = path.with_name(f".{path.name}.graphc-{os.getpid()}.partial")
+            staged.append(tmp)
+            try:
+                tmp.write_text(text, encoding="utf-8")
+            except OSError as e:
+                raise GraphcError(f"{path}: cannot write it ({e.strerror or e}); no output was "
+                                  f"written or replaced") from None
+        for tmp, path in zip(staged, files):
+            os.replace(tmp, path)
+    finally:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
+
+
 def _shown_tokens(tokens: list[int]) -> str:
     """Next tokens for a progress line: the first 8 of a batch."""
     return f"{tokens[:8]}" + (f" ... ({len(tokens)} rows)" if len(tokens) > 8 else "")
@@ -136,7 +184,7 @@ def cmd_build(args) -> int:
     from .plan import DEVICE_HEADROOM_BYTES, memory_layout
     from .runtime import check_memory, gpu_implementations
     from .weights import check_weights
-    from .viz import write_dataflow_svg, write_schedule_html
+    from .viz import dataflow_svg, schedule_html
 
     from .schedule import build_schedule, not_installed
 
@@ -164,19 +212,31 @@ def cmd_build(args) -> int:
     reference = args.reference or (args.reference is None and wbytes <= SMALL_MODEL_BYTES)
     if reference:     # the CPU reference step must fit in host memory
         check_memory(schedule, sizes[0], torch.device("cpu"), args.weights)
+    out = Path(args.out or Path("out") / Path(args.spec).stem)
     names_file = Path(args.write_weight_names) if args.write_weight_names else None
     if names_file:       # written where it says, into a folder that must exist
         if not names_file.parent.is_dir():
             raise GraphcError(f"--write-weight-names {names_file}: no folder {names_file.parent}")
         _writable_file(names_file, "--write-weight-names")
-    out = _writable_folder(Path(args.out or Path("out") / Path(args.spec).stem), "--out")
-    (out / "graph.json").write_text(json.dumps(graph_json(graph), indent=1))
-    (out / "schedule.txt").write_text(schedules_text(schedules))
-    write_dataflow_svg(graph, out / "graph.svg")
-    write_schedule_html(schedule, out / "schedule.html")
+        _refuse_overwriting_inputs(names_file, "--write-weight-names",
+                                   {args.spec: "the spec", args.weights: "the --weights file",
+                                    **{out / name: "an output of this build" for name in BUILD_OUTPUTS}})
+    created = not out.exists()
+    out = _writable_folder(out, "--out")
+    shapes = weight_shapes(graph)
+    outputs = {out / "graph.json": json.dumps(graph_json(graph), indent=1),
+               out / "schedule.txt": schedules_text(schedules),
+               out / "graph.svg": dataflow_svg(graph),
+               out / "schedule.html": schedule_html(schedule)}
     if names_file:
-        shapes = weight_shapes(graph)
-        names_file.write_text("".join(f"{name}\t{list(shape)}\n" for name, shape in shapes.items()))
+        outputs[names_file] = "".join(f"{name}\t{list(shape)}\n" for name, shape in shapes.items())
+    try:
+        _write_all(outputs)
+    except GraphcError:
+        if created:
+            out.rmdir()         # empty: _write_all left nothing
+        raise
+    if names_file:
         _progress(f"wrote {len(shapes)} weight names to {names_file}")
 
     _say(f"{spec.model.name}: {_plural(len(spec.layers), 'layer')}, residual {spec.residual.kind}"
@@ -196,7 +256,7 @@ def cmd_build(args) -> int:
     _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")
     for b in args.batch_sizes:
         _say(f"    batch {b:4d}: {step_floor_s(schedule, b, ctx) * 1e6:10.1f} us")
-    _say(f"  wrote {out}/graph.json, schedule.txt, graph.svg, schedule.html (batch {sizes[0]})")
+    _say(f"  wrote {out}/{', '.join(BUILD_OUTPUTS)} (batch {sizes[0]})")
 
     if reference:
         _reference_step(spec, schedule, sizes[0], args.weights)
@@ -306,7 +366,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_viz(args) -> int:
-    from .viz import write_viz
+    from .viz import picture
 
     out = Path(args.out)
     if args.profile and out.suffix.lower() != ".html":
@@ -318,7 +378,7 @@ def cmd_viz(args) -> int:
     batch = (profile or {}).get("batch", args.batch)
     _, _, schedule = _front(args.spec, (profile or {}).get("implementations"), batch=batch)
     _writable_folder(out.parent, "--out folder")
-    write_viz(schedule, out, profile=profile)
+    _write_all({out: picture(schedule, out, profile)})
     _say(f"wrote {out}")
     return 0
 
@@ -451,7 +511,8 @@ def make_parser() -> argparse.ArgumentParser:
         prog="graphc", description="CUDA-graph decode-step compiler for Attention-Residual "
         "transformers on Hopper GPUs.", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="environment (GPU builds):\n"
-               "  GRAPHC_CACHE_DIR     where compiled kernels are kept (default ~/.cache/graphc/kernels)\n"
+               "  GRAPHC_CACHE_DIR     where compiled kernels are kept (default ~/.cache/graphc/kernels,\n"
+               "                       or $XDG_CACHE_HOME/graphc/kernels where that is set)\n"
                "  GRAPHC_KERNEL_CACHE  0: keep compiled kernels in memory only\n"
                "  GRAPHC_COMPILE_JOBS  processes compiling uncached kernels while weights load\n"
                "                       (default: the CPU count, at most 8; 1: one at a time)")
@@ -462,48 +523,48 @@ def make_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="validate, schedule, verify and write the graph, schedule "
                        "and pictures; on a GPU machine also capture and time")
-    b.add_argument("spec", help=SPEC_HELP)
+    b.add_argument("spec", type=_path, help=SPEC_HELP)
     b.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8],
                    help="batch sizes to schedule (and capture on a GPU), comma-separated (default 1,2,4,8)")
-    b.add_argument("--out", help="output folder (default out/<spec name>)")
+    b.add_argument("--out", type=_path, help="output folder (default out/<spec name>)")
     b.add_argument("--context", type=_positive,
                    help="tokens per sequence for the HBM floor (default 1024, or the model's max_context if smaller)")
     b.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                    help="run one reference step on the CPU (default: when weights < 512 MB)")
-    b.add_argument("--weights", help="safetensors file (default: seeded random weights)")
-    b.add_argument("--write-weight-names", metavar="FILE", help="list expected weight names and shapes")
+    b.add_argument("--weights", type=_path, help="safetensors file (default: seeded random weights)")
+    b.add_argument("--write-weight-names", type=_path, metavar="FILE", help="list expected weight names and shapes")
     b.add_argument("--no-pdl", action="store_true", help="full edges everywhere")
     b.add_argument("--no-capture", action="store_true", help="skip GPU capture even on a GPU machine")
     b.set_defaults(func=cmd_build)
 
     i = sub.add_parser("inspect", help="print the graph, or one node")
-    i.add_argument("spec", help=SPEC_HELP)
+    i.add_argument("spec", type=_path, help=SPEC_HELP)
     i.add_argument("node", nargs="?", help="a node name, e.g. L03.attn.qkv (default: every kernel)")
     i.add_argument("--batch", type=_batch, default=1,
                    help="the batch size whose schedule to show (implementations differ per size)")
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("viz", help="write the dataflow graph (.svg/.dot) or schedule timeline (.html)")
-    v.add_argument("spec", help=SPEC_HELP)
-    v.add_argument("--out", required=True,
+    v.add_argument("spec", type=_path, help=SPEC_HELP)
+    v.add_argument("--out", type=_path, required=True,
                    help="picture file: .svg or .dot (dataflow graph), .html (schedule timeline)")
-    v.add_argument("--profile", help="profile JSON (from DecodeStep.profile): the .html timeline to scale")
+    v.add_argument("--profile", type=_path, help="profile JSON (from DecodeStep.profile): the .html timeline to scale")
     v.add_argument("--batch", type=_batch, default=1,
                    help="the batch size whose schedule to draw (default 1; a profile names its own)")
     v.set_defaults(func=cmd_viz)
 
     r = sub.add_parser("run", help="build and run a few decode steps on random tokens")
-    r.add_argument("spec", help=SPEC_HELP)
+    r.add_argument("spec", type=_path, help=SPEC_HELP)
     r.add_argument("--batch", type=_batch, default=1, help="sequences per step (default 1)")
     r.add_argument("--steps", type=_positive, default=4, help="decode steps to run (default 4)")
     r.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where there is a GPU")
-    r.add_argument("--weights", help="safetensors file (default: seeded random weights)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
+    r.add_argument("--weights", type=_path, help="safetensors file (default: seeded random weights)")
+    r.add_argument("--seed", type=_seed, default=0, help="seed of the random weights and tokens (default 0)")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("compile", help="compile the GPU kernels a build needs into the kernel cache "
                        "(no GPU needed): builds then only load them")
-    c.add_argument("spec", help=SPEC_HELP)
+    c.add_argument("spec", type=_path, help=SPEC_HELP)
     c.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8],
                    help="the batch sizes the build will capture, comma-separated (default 1,2,4,8)")
     c.add_argument("--sms", type=_positive,
@@ -514,13 +575,13 @@ def make_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compile)
 
     n = sub.add_parser("bench", help="time the captured step on the GPU against its floor and baselines")
-    n.add_argument("spec", help=SPEC_HELP)
+    n.add_argument("spec", type=_path, help=SPEC_HELP)
     n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 64],
                    help="batch sizes to capture and time, comma-separated (default 1,8,64)")
     n.add_argument("--context", type=_positive,
                    help="tokens already cached per sequence (default 1024, or the model's max_context if smaller)")
-    n.add_argument("--weights", help="safetensors file (default: seeded random weights)")
-    n.add_argument("--out", help="JSON results file (default bench/results/step_<spec>_<gpu>_<date>.json)")
+    n.add_argument("--weights", type=_path, help="safetensors file (default: seeded random weights)")
+    n.add_argument("--out", type=_path, help="JSON results file (default bench/results/step_<spec>_<gpu>_<date>.json)")
     n.add_argument("--quick", action="store_true", help="only the graphc step, no baselines")
     n.add_argument("--no-power", action="store_true",
                    help="skip sampling board power and SM clock (1.5 s of replays per batch size)")

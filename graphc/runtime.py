@@ -93,14 +93,17 @@ class DecodeStep:
                 return size
         raise GraphcError(f"batch of {batch} is larger than every captured batch size "
                           f"({', '.join(map(str, self.batch_sizes))}); build with a larger batch size "
-                          f"(graphc.build(..., batch_sizes=[...]); graphc --batch-sizes)")
+                          f"(graphc.build(..., batch_sizes=[...]); graphc build / bench SPEC --batch-sizes ...)")
 
     @_on_step_device
     def __call__(self, tokens: torch.Tensor, seq_lens: torch.Tensor,
                  cache_slots: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
         """Run one decode step. tokens: [b] integer token ids; seq_lens: [b] tokens already
         cached for each sequence; cache_slots: [b] the KV-cache slot of each sequence
-        (default 0..b-1). Returns logits [b, vocab] (bf16), a view of a static buffer."""
+        (default 0..b-1). Returns logits [b, vocab] (bf16), a view of a static buffer.
+        validate=False skips the range checks of tokens, seq_lens and cache_slots (a device
+        sync each call): an out-of-range value then reads or writes out of bounds, so turn it
+        off only for inputs already known good."""
         b = self._check_inputs(tokens, seq_lens, cache_slots, validate)
         size = self.padded_size(b)
         served = self._served[size]
@@ -420,6 +423,7 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     Compiling ahead (graphc/compile_ahead.py) runs while the weights load, so ``progress`` also
     hears from a background thread meanwhile.
     """
+    _check_build_arguments(weights, implementations, use_pdl, seed, progress, compile_jobs, block_weights)
     progress = progress or (lambda s: None)
     if block_rows not in weight_blocks.ROW_BLOCKS:
         raise GraphcError(f"block_rows={block_rows!r} unsupported: rows per weight block are "
@@ -439,6 +443,37 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
         blocked = _weights_in_blocks(schedules, dev, weights, block_weights, progress, block_rows)
         return _allocate_and_capture(schedules, shapes, dev, weights, seed, blocked, block_rows, compile_jobs,
                                      progress)
+
+
+MAX_SEED = 2**63 - 1      # torch.Generator.manual_seed's range, which `graphc run` seeds too
+
+
+def _check_build_arguments(weights, implementations, use_pdl, seed, progress, compile_jobs, block_weights) -> None:
+    """Refuse mistyped ``build`` arguments up front, as GraphcErrors: found late, a wrong
+    ``progress`` would fail only after minutes of loading weights."""
+    from collections.abc import Mapping
+    from numbers import Integral
+
+    def is_int(v) -> bool:
+        return isinstance(v, Integral) and not isinstance(v, bool)
+
+    if not (weights is None or isinstance(weights, (Weights, str, os.PathLike))):
+        raise GraphcError(f"weights: expected None (random), a .safetensors path or a Weights, "
+                          f"found {type(weights).__name__} {weights!r:.60}")
+    if not (implementations is None or (isinstance(implementations, Mapping)
+                                        and all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in implementations.items()))):
+        raise GraphcError(f"implementations: expected a mapping from op kinds or node names to "
+                          f"implementation names, e.g. {{'linear': 'cublas'}}; found {implementations!r:.80}")
+    for name, value in (("use_pdl", use_pdl), ("block_weights", block_weights)):
+        if not isinstance(value, bool):
+            raise GraphcError(f"{name}: expected True or False, found {value!r:.60}")
+    if not (is_int(seed) and 0 <= seed <= MAX_SEED):
+        raise GraphcError(f"seed: expected an integer in 0..2**63-1, found {seed!r:.60}")
+    if not (progress is None or callable(progress)):
+        raise GraphcError(f"progress: expected a callable taking one line, or None; found {progress!r:.60}")
+    if not (compile_jobs is None or (is_int(compile_jobs) and compile_jobs >= 0)):
+        raise GraphcError(f"compile_jobs: expected None or a count of processes >= 0, found {compile_jobs!r:.60}")
 
 
 def _allocate_and_capture(schedules: dict[int, Schedule], shapes, dev: torch.device, weights, seed: int,

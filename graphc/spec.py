@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, Union
@@ -31,7 +32,7 @@ import yaml
 from yaml.events import AliasEvent, NodeEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from graphc.errors import GraphcError
+from graphc.errors import GraphcError, GraphcValueError
 from graphc.ops.attn_res_math import MAX_SAVED_BLOCKS, SUPPORTED_HIDDEN_RULE, cluster_shape
 
 __all__ = [
@@ -58,6 +59,7 @@ BODY_KINDS = ("attention", "mlp")
 WIDTH_MULTIPLE = 64        # hidden, intermediate, heads x head_dim, vocab: whole 64-column tiles
 HEAD_DIM_MULTIPLE = 8      # one 16-byte bf16 vector
 MAX_HEAD_DIM = 256
+MAX_SPEC_BYTES = 16 * 2**20  # a spec is a page of YAML; a bigger file is not one
 MAX_LAYERS = 1024          # guards against `repeat: 1000000000` expanding into memory
 FINGERPRINT_VERSION = "graphc-spec/1"
 
@@ -232,18 +234,18 @@ class Spec:
         """The same model with another residual scheme (for A/B benchmarks).
 
         ``block_size`` defaults to the current one, so ``s.with_residual("plain")
-        .with_residual("attn_res") == s``. Raises ValueError for an unknown kind or a block
-        size the AttnRes kernel cannot serve.
+        .with_residual("attn_res") == s``. Raises GraphcValueError (a GraphcError and a
+        ValueError) for an unknown kind or a block size the AttnRes kernel cannot serve.
         """
         if kind not in RESIDUAL_KINDS:
-            raise ValueError(f"residual kind must be one of {', '.join(RESIDUAL_KINDS)}, got {kind!r}")
+            raise GraphcValueError(f"residual kind must be one of {', '.join(RESIDUAL_KINDS)}, got {kind!r}")
         size = self.residual.block_size if block_size is None else block_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {size!r}")
+            raise GraphcValueError(f"block_size must be an integer >= 1, got {size!r}")
         if kind == "attn_res":
             blocks = -(-len(self.layers) // size)
             if blocks > MAX_SAVED_BLOCKS:
-                raise ValueError(
+                raise GraphcValueError(
                     f"block_size {size} gives {blocks} AttnRes blocks for {len(self.layers)} "
                     f"layers; the kernel serves at most {MAX_SAVED_BLOCKS} "
                     f"(block_size >= {_min_block_size(len(self.layers))})"
@@ -331,13 +333,28 @@ def _min_block_size(layers: int) -> int:
 
 def load_spec(path: str | os.PathLike) -> Spec:
     """Read, validate and expand a spec file. Raises SpecError (also for an unreadable file)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise GraphcError(f"a spec is the path of a YAML file (str or os.PathLike), found "
+                          f"{type(path).__name__} {path!r:.60}")
     name = os.fspath(path)
     name = name.decode() if isinstance(name, bytes) else name
+    if "\n" in name:
+        raise GraphcError("a spec is the path of a YAML file, found text of several lines "
+                          "(graphc.spec.parse_spec(text) reads a spec given as text)")
     try:
+        # A regular file only: /dev/zero would read until memory runs out, and opening a pipe
+        # waits for a writer that may never come.
+        mode = os.stat(name).st_mode
+        if not stat.S_ISREG(mode):
+            raise SpecError(name, None, "<file>", "a regular file",
+                            "a folder" if stat.S_ISDIR(mode) else "a device, pipe or socket")
         with open(name, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as e:
         raise SpecError(name, None, "<file>", "a readable spec file", e.strerror or str(e)) from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(name, None, "<file>", f"a spec of at most {MAX_SPEC_BYTES // 2**20} MiB",
+                        f"{os.path.getsize(name) / 2**20:.0f} MiB")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -462,11 +479,15 @@ class _Parser:
     def integer(self, node: Node, field: str, what: str) -> int:
         if not (isinstance(node, ScalarNode) and node.tag == _INT):
             self.fail(node, field, what, _found(node))
-        if _SURPRISING_INT_RE.match(node.value):
-            # YAML 1.1 reads 0256 as octal 174 and 4:16 as base 60 (256): never what was meant.
-            self.fail(node, field, what, f"{node.value} (YAML 1.1 reads it as {self.scalar(node)}; write a "
-                                         f"decimal integer)")
+        self.refuse_surprising_number(node, field, what, "a decimal integer")
         return self.scalar(node)
+
+    def refuse_surprising_number(self, node: ScalarNode, field: str, what: str, write: str) -> None:
+        """YAML 1.1 reads 0256 as octal 174, 4:16 as base 60 (256) and 1:30.5 as 90.5: never
+        what was meant, so a number field refuses them."""
+        if node.tag in (_INT, _FLOAT) and (_SURPRISING_INT_RE.match(node.value) or ":" in node.value):
+            self.fail(node, field, what, f"{node.value} (YAML 1.1 reads it as {self.scalar(node)}; write "
+                                         f"{write})")
 
     def positive_int(self, node: Node, field: str, what: str = "a positive integer", *, multiple: int = 1) -> int:
         value = self.integer(node, field, what)
@@ -479,7 +500,11 @@ class _Parser:
     def positive_float(self, node: Node, field: str) -> float:
         what = "a positive finite number"
         if isinstance(node, ScalarNode) and node.tag in (_INT, _FLOAT):
-            value = float(self.scalar(node))
+            self.refuse_surprising_number(node, field, what, "a decimal number")
+            try:
+                value = float(self.scalar(node))
+            except OverflowError:          # an integer past float's range, e.g. 1 and 400 zeros
+                self.fail(node, field, what, f"{node.value[:20]}... ({len(node.value)} digits)")
         elif isinstance(node, ScalarNode) and node.tag == _STR and node.style is None and _DECIMAL_RE.match(node.value):
             value = float(node.value)
         else:
@@ -518,9 +543,8 @@ class _Parser:
             if not isinstance(key_node, ScalarNode):
                 self.fail(key_node, field or "<document>", "a plain key", _found(key_node))
             if int_keys:
-                if key_node.tag != _INT:
-                    self.fail(key_node, _join(field, key_node.value), "an integer layer index as the key",
-                              _found(key_node))
+                # integer() also refuses the octal and base-60 forms: `010:` is layer 8 in YAML 1.1.
+                self.integer(key_node, _join(field, key_node.value), "an integer layer index as the key")
             elif key_node.tag != _STR:
                 self.fail(key_node, _join(field, key_node.value), "a field name (a string) as the key",
                           _found(key_node))

@@ -826,19 +826,25 @@ def write_schedule_html(schedule, path: str | Path, profile: Mapping[str, Any] |
 # Dispatch
 # ---------------------------------------------------------------------------------------------
 
-def write_viz(schedule, path: str | Path, profile: Mapping[str, Any] | None = None) -> Path:
-    """Write a picture of ``schedule`` chosen by the suffix of ``path``: ``.svg`` (dataflow
-    graph), ``.dot`` (dataflow graph, Graphviz source) or ``.html`` (schedule timeline;
-    ``profile`` draws it to scale). Returns the path."""
-    path = Path(path)
-    suffix = path.suffix.lower()
+def picture(schedule, path: str | Path, profile: Mapping[str, Any] | None = None) -> str:
+    """The text of the picture of ``schedule`` that the suffix of ``path`` names: ``.svg``
+    (dataflow graph), ``.dot`` (dataflow graph, Graphviz source) or ``.html`` (schedule
+    timeline; ``profile`` draws it to scale)."""
+    suffix = Path(path).suffix.lower()
     if suffix == ".svg":
-        return write_dataflow_svg(schedule.graph, path)
+        return dataflow_svg(schedule.graph)
     if suffix == ".dot":
-        path.write_text(to_dot(schedule.graph), encoding="utf-8")
-        return path
+        return to_dot(schedule.graph)
     if suffix == ".html":
-        return write_schedule_html(schedule, path, profile)
+        return schedule_html(schedule, profile)
     raise GraphcError(f"cannot write a picture to {str(path)!r}: unsupported suffix "
                       f"{suffix or '(none)'!r}; supported: {', '.join(SUPPORTED_SUFFIXES)} "
                       "(.svg, .dot: dataflow graph; .html: schedule timeline)")
+
+
+def write_viz(schedule, path: str | Path, profile: Mapping[str, Any] | None = None) -> Path:
+    """Write :func:`picture` to ``path``; returns the path."""
+    path = Path(path)
+    text = picture(schedule, path, profile)      # an unsupported suffix is refused before writing
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import zlib
 from pathlib import Path
@@ -179,11 +180,16 @@ def _checked_file(path, shapes, device):
     shape as bfloat16 and nothing else."""
     from safetensors import SafetensorError, safe_open
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise GraphcError(f"weights: expected the path of a .safetensors file, found "
+                          f"{type(path).__name__} {path!r:.60}")
     path = Path(path)
     if path.is_dir():
         raise GraphcError(f"{path}: a folder, not a weights file (give the .safetensors file)")
     if not path.is_file():
         raise GraphcError(f"{path}: no such weights file")
+    if not os.access(path, os.R_OK):    # safetensors reports this as "No such file or directory"
+        raise GraphcError(f"{path}: this user cannot read the weights file (permission denied)")
     try:
         f = safe_open(str(path), framework="pt", device=str(device))
     except (SafetensorError, OSError) as e:

@@ -99,6 +99,12 @@ def test_options_the_model_cannot_hold_are_refused(argv, message):
     (["run", TINY, "--steps", "0"], "expected a positive integer, found 0"),
     (["build", TINY, "--context", "-5"], "expected a positive integer, found -5"),
     (["build", TINY, "--batch-sizes", "1,,2"], "comma-separated integers"),
+    (["build", TINY, "--batch-sizes", "4,0,8"], "between 1 and 512, found 0 in '4,0,8'"),
+    (["build", TINY, "--batch-sizes", "\uff11,\uff12"], "comma-separated integers"),
+    (["run", TINY, "--seed", str(2**64)], "a seed is an integer in 0..2**63-1"),
+    (["run", TINY, "--seed", "-1"], "a seed is an integer in 0..2**63-1"),
+    (["build", TINY, "--out", ""], "expected a path, found an empty one"),
+    (["build", TINY, "--write-weight-names", ""], "expected a path, found an empty one"),
 ])
 def test_numbers_out_of_range_are_usage_errors(argv, message):
     r = run_cli(*argv)
@@ -109,6 +115,7 @@ def test_the_cli_and_the_api_take_the_same_batch_sizes():
     from graphc import cli, runtime
 
     assert cli.MAX_BATCH == runtime.MAX_BATCH
+    assert cli.MAX_SEED == runtime.MAX_SEED
 
 
 def _garbage_weights(tmp_path):
@@ -152,6 +159,62 @@ def test_a_refused_build_writes_nothing(tmp_path, case):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert message in r.stderr.splitlines()[-1]
     assert not out.is_dir()
+
+
+@pytest.mark.parametrize("victim", ["spec", "weights", "output"])
+def test_the_weight_names_never_replace_an_input_or_an_output(tmp_path, victim):
+    """`--write-weight-names` pointed at the spec, the weights file or one of the build's own
+    outputs is refused, and the file is left as it was."""
+    import torch
+    from safetensors.torch import save_file
+
+    from graphc.graph import build_graph, weight_shapes
+    from graphc.spec import load_spec
+
+    spec = tmp_path / "mine.yaml"
+    spec.write_text(open(TINY).read())
+    weights = tmp_path / "w.safetensors"
+    save_file({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in weight_shapes(build_graph(load_spec(spec))).items()},
+              str(weights))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "graph.json").write_text("{}")
+    target = {"spec": spec, "weights": weights, "output": out / "graph.json"}[victim]
+    before = target.read_bytes()
+    r = run_cli("build", str(spec), "--out", str(out), "--no-reference", "--weights", str(weights),
+                "--write-weight-names", str(target))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    what = {"spec": "the spec", "weights": "the --weights file", "output": "an output of this build"}[victim]
+    assert r.stderr.splitlines()[-1] == (f"graphc: error: --write-weight-names {target}: that is {what}; "
+                                         f"writing there would replace it")
+    assert target.read_bytes() == before
+
+
+def test_a_disk_that_fills_up_leaves_the_old_outputs_and_no_partial_file(tmp_path, monkeypatch, capsys):
+    """A write that fails half-way (ENOSPC has no file name) is one line, and every earlier
+    output is left as it was: the new ones are written under temporary names first."""
+    import pathlib
+
+    out = tmp_path / "out"
+    assert main(["build", TINY, "--out", str(out), "--no-reference"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_write_text = pathlib.Path.write_text
+
+    def fill_up(path, text, *args, **kwargs):
+        if path.name.startswith(".schedule.html"):      # the third of four outputs
+            real_write_text(path, text[:100], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return real_write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", fill_up)
+    capsys.readouterr()
+    assert main(["build", TINY, "--out", str(out), "--no-reference", "--batch-sizes", "2"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"graphc: error: {out / 'schedule.html'}: cannot write it (No space left on device); "
+        f"no output was written or replaced")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert main(["build", TINY, "--out", str(tmp_path / "new"), "--no-reference"]) == 2
+    assert not (tmp_path / "new").exists()        # the folder it made for them is gone too
 
 
 def test_viz_creates_the_output_folder_and_checks_the_profile(tmp_path):
@@ -230,15 +293,18 @@ def test_folders_this_user_cannot_write_are_refused_by_name(tmp_path, monkeypatc
 
 
 def test_a_file_system_refusal_is_one_line(tmp_path, monkeypatch, capsys):
-    """What no check foresaw (a special folder, a full disk) still ends in one line, exit 2."""
-    import graphc.viz
+    """What no check foresaw (a special folder, a full disk) still ends in one line, exit 2,
+    and leaves no partial picture."""
+    import pathlib
 
-    def refuse(schedule, out, profile=None):
-        raise PermissionError(13, "Permission denied", str(out))
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(graphc.viz, "write_viz", refuse)
+    monkeypatch.setattr(pathlib.Path, "write_text", refuse)
     assert main(["viz", TINY, "--out", str(tmp_path / "g.svg")]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == f"graphc: error: {tmp_path / 'g.svg'}: Permission denied"
+    assert capsys.readouterr().err.splitlines()[-1] == (f"graphc: error: {tmp_path / 'g.svg'}: cannot write it "
+                                                        f"(Permission denied); no output was written or replaced")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_every_command_says_what_its_spec_argument_is(capsys):

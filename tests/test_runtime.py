@@ -1,6 +1,7 @@
 """DecodeStep on the CPU (reference executor behind the same API): batch selection, padding
 into the scratch slot, and every refused input leaving the KV cache untouched."""
 
+import os
 import re
 import statistics
 
@@ -138,6 +139,40 @@ def test_build_refuses_batch_sizes_that_are_not_a_list_of_sizes(batch_sizes, mes
 def test_build_refuses_a_device_graphc_does_not_run_on(device):
     with pytest.raises(GraphcError, match=f"device {device!r}: graphc runs on 'cuda'"):
         graphc.build("layer_specs/tiny.yaml", [1], device=device, progress=None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"implementations": "cute"}, "implementations: expected a mapping from op kinds or node names"),
+    ({"implementations": {"linear": 1}}, "implementations: expected a mapping"),
+    ({"weights": 123}, "weights: expected None .random., a .safetensors path or a Weights, found int 123"),
+    ({"use_pdl": "no"}, "use_pdl: expected True or False, found 'no'"),
+    ({"block_weights": 1}, "block_weights: expected True or False, found 1"),
+    ({"seed": "1"}, r"seed: expected an integer in 0..2\*\*63-1, found '1'"),
+    ({"seed": 2**64}, r"seed: expected an integer in 0..2\*\*63-1"),
+    ({"seed": 1.5}, r"seed: expected an integer"),
+    ({"progress": "x"}, "progress: expected a callable taking one line, or None; found 'x'"),
+    ({"compile_jobs": "a"}, "compile_jobs: expected None or a count of processes >= 0, found 'a'"),
+    ({"compile_jobs": -1}, "compile_jobs: expected None or a count"),
+])
+def test_build_refuses_mistyped_arguments_before_any_work(kwargs, message):
+    """A wrong type is a GraphcError up front: found late, a bad ``progress`` would fail only
+    after the weights had loaded."""
+    with pytest.raises(GraphcError, match=message):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cpu", **{"progress": None, **kwargs})
+
+
+def test_a_weights_file_this_user_cannot_read_is_named_as_such(tmp_path, monkeypatch, step):
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(b"\xff" * 64)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(path) else real_access(p, mode))
+    message = f"{path}: this user cannot read the weights file \\(permission denied\\)"
+    with pytest.raises(GraphcError, match=message):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, weights=path)
+    with pytest.raises(GraphcError, match=message):
+        step.load_weights(path)
+    with pytest.raises(GraphcError, match="weights: expected the path of a .safetensors file, found NoneType"):
+        step.load_weights(None)
 
 
 def test_build_refuses_a_gpu_index_the_machine_does_not_have(monkeypatch):

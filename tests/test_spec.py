@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import time
 from pathlib import Path
 
 import pytest
 
+from graphc.errors import GraphcError
 from graphc.ops.attn_res_math import SUPPORTED_HIDDEN_RULE
 from graphc.spec import (
     AttentionBody,
@@ -224,6 +226,8 @@ def test_with_residual():
     assert spec.with_residual("plain", block_size=5).fingerprint() == plain.fingerprint()
     with pytest.raises(ValueError, match="residual kind"):
         spec.with_residual("attnres")
+    with pytest.raises(GraphcError, match="residual kind"):    # like every refusal graphc makes
+        spec.with_residual("attnres")
     with pytest.raises(ValueError, match="block_size >= 8"):
         spec.with_residual("attn_res", block_size=1)
     with pytest.raises(ValueError, match="block_size"):
@@ -272,6 +276,21 @@ def test_load_spec_names_the_file(tmp_path):
 def test_unreadable_files(tmp_path):
     err = pytest.raises(SpecError, load_spec, tmp_path / "missing.yaml").value
     assert err.line is None and "readable" in err.expected
+    # A device would read until memory runs out, a pipe may never end: a regular file only.
+    err = pytest.raises(SpecError, load_spec, "/dev/zero").value
+    assert (err.expected, err.found) == ("a regular file", "a device, pipe or socket")
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)                                  # opening it would wait for a writer
+    assert pytest.raises(SpecError, load_spec, fifo).value.expected == "a regular file"
+    assert pytest.raises(SpecError, load_spec, tmp_path).value.found == "a folder"
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (17 * 2**20))
+    assert str(pytest.raises(SpecError, load_spec, big).value) == \
+        f"{big}: <file>: expected a spec of at most 16 MiB, found 17 MiB"
+    with pytest.raises(GraphcError, match="a spec is the path of a YAML file .*found int 123"):
+        load_spec(123)
+    with pytest.raises(GraphcError, match=r"found text of several lines \(graphc.spec.parse_spec"):
+        load_spec(BASE)
     path = tmp_path / "latin1.yaml"
     path.write_bytes(b"model:\n  name: caf\xe9\n")
     err = pytest.raises(SpecError, load_spec, path).value
@@ -393,6 +412,14 @@ MISTAKES = [
      ["found 0256 (YAML 1.1 reads it as 174; write a decimal integer)"]),
     ("base_60_integer", edit("max_context: 256", "max_context: 4:16"), "model.max_context", 7,
      ["found 4:16 (YAML 1.1 reads it as 256; write a decimal integer)"]),
+    ("octal_override_key", BASE + "overrides:\n  03: {mlp: mlp_wide}\n", "overrides.03", 30,
+     ["found 03 (YAML 1.1 reads it as 3; write a decimal integer)"]),
+    ("octal_float", edit("rms_eps: 1.0e-6", "rms_eps: 010"), "model.rms_eps", 6,
+     ["found 010 (YAML 1.1 reads it as 8; write a decimal number)"]),
+    ("base_60_float", edit("rms_eps: 1.0e-6", "rms_eps: 1:30.5"), "model.rms_eps", 6,
+     ["found 1:30.5 (YAML 1.1 reads it as 90.5; write a decimal number)"]),
+    ("float_past_range", edit("rms_eps: 1.0e-6", "rms_eps: 1" + "0" * 400), "model.rms_eps", 6,
+     ["a positive finite number", "(401 digits)"]),
     ("control_character", edit("  vocab: 4096\n", "  vocab: 4096 \x00\n"), "<document>", 4,
      ["printable YAML text", "the character '\\x00'"]),
 ]
