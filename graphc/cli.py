@@ -183,7 +183,7 @@ def cmd_build(args) -> int:
     from .graph import weight_bytes, weight_shapes
     from .plan import DEVICE_HEADROOM_BYTES, memory_layout
     from .runtime import check_memory, gpu_implementations
-    from .weights import check_weights
+    from .weights import check_finite_weights, check_weights
     from .viz import dataflow_svg, schedule_html
 
     from .schedule import build_schedule, not_installed
@@ -212,6 +212,8 @@ def cmd_build(args) -> int:
     reference = args.reference or (args.reference is None and wbytes <= SMALL_MODEL_BYTES)
     if reference:     # the CPU reference step must fit in host memory
         check_memory(schedule, sizes[0], torch.device("cpu"), args.weights)
+        if args.weights:    # it reads every value, so check them now (a small model: cheap)
+            check_finite_weights(args.weights, weight_shapes(graph))
     out = Path(args.out or Path("out") / Path(args.spec).stem)
     names_file = Path(args.write_weight_names) if args.write_weight_names else None
     if names_file:       # written where it says, into a folder that must exist

@@ -124,8 +124,9 @@ def _garbage_weights(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("case", ["not safetensors", "wrong names", "names folder missing", "names is a folder",
-                                  "out is a file", "reference too large"])
+@pytest.mark.parametrize("case", ["not safetensors", "wrong names", "a NaN the reference would read",
+                                  "names folder missing", "names is a folder", "out is a file",
+                                  "reference too large"])
 def test_a_refused_build_writes_nothing(tmp_path, case):
     """Whatever a build needs is checked before its first file is written, with or without the
     reference step that reads the weights."""
@@ -141,6 +142,19 @@ def test_a_refused_build_writes_nothing(tmp_path, case):
         save_file({"nope": torch.zeros(2, dtype=torch.bfloat16)}, str(tmp_path / "w.safetensors"))
         argv += ["--weights", str(tmp_path / "w.safetensors")]
         message = "weight names do not match the spec"
+    elif case == "a NaN the reference would read":
+        import torch
+        from safetensors.torch import save_file
+
+        from graphc.graph import build_graph, weight_shapes
+        from graphc.spec import load_spec
+
+        weights = {n: torch.zeros(s, dtype=torch.bfloat16)
+                   for n, s in weight_shapes(build_graph(load_spec(TINY))).items()}
+        weights["lm_head.weight"][3, 5] = float("nan")
+        save_file(weights, str(tmp_path / "w.safetensors"))
+        argv = ["build", TINY, "--out", str(out), "--reference", "--weights", str(tmp_path / "w.safetensors")]
+        message = "lm_head.weight: 1 value NaN or Inf (the first at index [3, 5], nan)"
     elif case == "names folder missing":
         argv += ["--write-weight-names", str(tmp_path / "nowhere" / "names.txt")]
         message = f"no folder {tmp_path / 'nowhere'}"
