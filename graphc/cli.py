@@ -378,7 +378,14 @@ def cmd_viz(args) -> int:
     profile = _load_profile(args.profile) if args.profile else None
     # Draw the schedule that was measured: the profile names its batch and the implementations.
     batch = (profile or {}).get("batch", args.batch)
-    _, _, schedule = _front(args.spec, (profile or {}).get("implementations"), batch=batch)
+    _, graph, schedule = _front(args.spec, batch=batch)
+    if profile and profile.get("implementations"):
+        from .schedule import build_schedule
+
+        try:
+            schedule = build_schedule(graph, profile["implementations"], batch=batch)
+        except GraphcError as e:        # the profile's names, not the command line's
+            raise GraphcError(f"--profile {args.profile}: {e}") from None
     _writable_folder(out.parent, "--out folder")
     _write_all({out: picture(schedule, out, profile)})
     _say(f"wrote {out}")

@@ -236,7 +236,9 @@ def test_viz_creates_the_output_folder_and_checks_the_profile(tmp_path):
     assert (tmp_path / "new" / "g.svg").stat().st_size > 1000
     for text, message in [("[1, 2]", "expected a JSON object"), ("{nope", "not a JSON profile"),
                           ('{"batch": "eight", "kernels": []}', "batch must be an integer in 1..512"),
-                          ('{"implementations": ["cute"]}', "implementations must map")]:
+                          ('{"implementations": ["cute"]}', "implementations must map"),
+                          ('{"implementations": {"linear": "bogus"}}',
+                           f"--profile {tmp_path / 'p.json'}: L00.attn.qkv: no implementation 'bogus' of linear")]:
         (tmp_path / "p.json").write_text(text)
         r = run_cli("viz", TINY, "--out", str(tmp_path / "t.html"), "--profile", str(tmp_path / "p.json"))
         assert r.returncode == 2 and "Traceback" not in r.stderr and message in r.stderr, r.stderr
