@@ -826,20 +826,26 @@ def write_schedule_html(schedule, path: str | Path, profile: Mapping[str, Any] |
 # Dispatch
 # ---------------------------------------------------------------------------------------------
 
+def picture_suffix(path: str | Path) -> str:
+    """The suffix of ``path`` (lower case) if it names a picture graphc draws, else refuse."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in SUPPORTED_SUFFIXES:
+        raise GraphcError(f"cannot write a picture to {str(path)!r}: unsupported suffix "
+                          f"{suffix or '(none)'!r}; supported: {', '.join(SUPPORTED_SUFFIXES)} "
+                          "(.svg, .dot: dataflow graph; .html: schedule timeline)")
+    return suffix
+
+
 def picture(schedule, path: str | Path, profile: Mapping[str, Any] | None = None) -> str:
     """The text of the picture of ``schedule`` that the suffix of ``path`` names: ``.svg``
     (dataflow graph), ``.dot`` (dataflow graph, Graphviz source) or ``.html`` (schedule
     timeline; ``profile`` draws it to scale)."""
-    suffix = Path(path).suffix.lower()
+    suffix = picture_suffix(path)
     if suffix == ".svg":
         return dataflow_svg(schedule.graph)
     if suffix == ".dot":
         return to_dot(schedule.graph)
-    if suffix == ".html":
-        return schedule_html(schedule, profile)
-    raise GraphcError(f"cannot write a picture to {str(path)!r}: unsupported suffix "
-                      f"{suffix or '(none)'!r}; supported: {', '.join(SUPPORTED_SUFFIXES)} "
-                      "(.svg, .dot: dataflow graph; .html: schedule timeline)")
+    return schedule_html(schedule, profile)
 
 
 def write_viz(schedule, path: str | Path, profile: Mapping[str, Any] | None = None) -> Path:

@@ -154,9 +154,15 @@ def test_build_refuses_a_device_graphc_does_not_run_on(device):
     ({"compile_jobs": "a"}, "compile_jobs: expected None or a count of processes >= 0, found 'a'"),
     ({"compile_jobs": -1}, "compile_jobs: expected None or a count"),
 ])
-def test_build_refuses_mistyped_arguments_before_any_work(kwargs, message):
+def test_build_refuses_mistyped_arguments_before_any_work(kwargs, message, monkeypatch):
     """A wrong type is a GraphcError up front: found late, a bad ``progress`` would fail only
     after the weights had loaded."""
+    import graphc.runtime
+
+    def work(*args, **kwargs):
+        raise AssertionError("the build began its work before checking its arguments")
+
+    monkeypatch.setattr(graphc.runtime, "load_spec", work)
     with pytest.raises(GraphcError, match=message):
         graphc.build("layer_specs/tiny.yaml", [1], device="cpu", **{"progress": None, **kwargs})
 
@@ -192,6 +198,9 @@ def test_a_cpu_build_applies_and_checks_implementation_choices():
                           implementations={"linear": "cublas", "L01.attn.attention": "torch"})
     kernels = chosen.schedule_for(1).kernels
     assert {k.impl for k in kernels if k.op.kind == "linear"} == {"cublas"}
+    assert [k.impl for k in kernels if k.node == "L01.attn.attention"] == ["torch"]   # by node name
+    others = {k.impl for k in kernels if k.op.kind == "decode_attention" and k.node != "L01.attn.attention"}
+    assert others and "torch" not in others
     for bad, message in [({"lienar": "cublas"}, "did you mean linear"),
                          ({"linear": "cublass"}, "no implementation 'cublass'"),
                          ({"L09.mlp.down": "cute"}, "neither an op kind nor a node")]:

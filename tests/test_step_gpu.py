@@ -304,7 +304,8 @@ def test_weight_reload_needs_no_free_gpu_memory(tmp_path):
 def test_weights_in_blocks_change_no_bit():
     """Where only the decode GEMM reads a weight, a build stores it in 64 x 64 blocks
     (graphc/plan.py): the same arithmetic in the same order as on row-major weights, so the
-    logits are bitwise those of a build with block_weights=False. A build sharing those
+    logits are bitwise those of a build with block_weights=False (and of one that stores 16 x 64
+    blocks, block_rows=16). A build sharing those
     weights that would read them with cuBLAS is refused, naming the weight."""
     from graphc.errors import GraphcError
 
@@ -313,10 +314,14 @@ def test_weights_in_blocks_change_no_bit():
     linear = {n for n in blocked.plan.weights.tensors if n.endswith(("qkv.weight", "o_proj.weight",
                                                                       "gate_up.weight", "down.weight"))}
     assert linear and linear <= blocked.plan.weights.blocked() and rows.plan.weights.blocked() == set()
+    rows16 = graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], progress=None, block_rows=16)
+    assert {rows16.plan.weights[n].shape[2] for n in linear} == {16}      # stored in 16 x 64 blocks
     for b in (1, 3, 4):
         tokens = torch.arange(4, 4 + b).cuda()
         lens = torch.full((b,), 5, dtype=torch.int32).cuda()
-        assert torch.equal(blocked(tokens, lens), rows(tokens, lens)), b
+        expected = rows(tokens, lens).clone()
+        assert torch.equal(blocked(tokens, lens), expected), b
+        assert torch.equal(rows16(tokens, lens), expected), b
     with pytest.raises(GraphcError, match=r"stored in 64 x 64 blocks .* runs cublas"):
         graphc.build("layer_specs/tiny.yaml", batch_sizes=[1], weights=blocked.plan.weights, progress=None,
                      implementations={"linear": "cublas"})

@@ -52,8 +52,9 @@ class _Collect(HTMLParser):
     def __init__(self):
         super().__init__(convert_charrefs=True)
         self.tags: list[tuple[str, dict, str | None]] = []   # (tag, attrs, enclosing data-node)
-        self.stack: list[tuple[str, str | None]] = []
+        self.stack: list[tuple[str, str | None, str | None]] = []    # (tag, data-node, class)
         self.text: list[str] = []
+        self.classed_text: list[tuple[str | None, str | None, str]] = []  # (node, class, text)
 
     def _node(self):
         return self.stack[-1][1] if self.stack else None
@@ -63,7 +64,7 @@ class _Collect(HTMLParser):
         node = a.get("data-node") or self._node()
         self.tags.append((tag, a, self._node()))
         if tag not in self.VOID:
-            self.stack.append((tag, node))
+            self.stack.append((tag, node, a.get("class")))
 
     def handle_startendtag(self, tag, attrs):
         self.tags.append((tag, dict(attrs), self._node()))
@@ -76,6 +77,8 @@ class _Collect(HTMLParser):
 
     def handle_data(self, data):
         self.text.append(data)
+        if self.stack:
+            self.classed_text.append((self.stack[-1][1], self.stack[-1][2], data))
 
 
 def _parse(text: str) -> _Collect:
@@ -205,13 +208,10 @@ def test_html_one_element_per_kernel_in_launch_order(tiny):
         assert classes[0] == "kernel"
         assert f"edge-{k.edge}" in classes and f"kind-{k.op.kind}" in classes
         assert a["data-impl"] == k.impl
-    # name, kind and implementation are visible text in each row
+    # name, kind and implementation are visible text in each row, in that row's own labels
     for k in tiny.kernels:
-        texts = [tag for tag, _, node in p.tags if node == k.node and tag == "text"]
-        assert texts
-    body = "".join(p.text)
-    for k in tiny.kernels:
-        assert k.node in body and f"{k.op.kind} \u00b7 {k.impl}" in body
+        labels = {cls: text for node, cls, text in p.classed_text if node == k.node and cls in ("name", "meta")}
+        assert labels == {"name": k.node, "meta": f"{k.op.kind} \u00b7 {k.impl}"}, k.node
 
 
 def test_html_pdl_and_full_edges_are_distinct(tiny_cute):
@@ -285,18 +285,21 @@ def test_html_draws_measured_starts_and_overlap(tiny_cute):
     started before its predecessor ended (PDL overlap) is split at that measured end."""
     import html as _html
 
-    rows, end = [], 0.0
+    rows, end, overlapped, apart = [], 0.0, [], []
     for i, k in enumerate(tiny_cute.kernels):
-        start = end - 1.0 if (k.phases and i) else end + 1.0     # overlap by 1 us, or a 1 us gap
+        # Every other phased kernel overlaps its predecessor by 1 us; the rest start 1 us after it.
+        overlaps = bool(k.phases and i) and len([x for x in tiny_cute.kernels[:i] if x.phases]) % 2 == 0
+        start = end - 1.0 if overlaps else end + 1.0
         rows.append({"node": k.node, "duration_us": 10.0, "start_us": start})
+        (overlapped if overlaps else apart if k.phases else []).append(k)
         end = start + 10.0
     plain = _html.unescape(viz.schedule_html(tiny_cute, {"gpu": "NVIDIA H200", "kernels": rows}))
     for row in rows:
         start = row["start_us"]
         assert f"measured: 10.00 \u00b5s, {start:,.2f} \u2192 {start + 10:,.2f} \u00b5s" in plain, row["node"]
-    overlapped = [k for k in tiny_cute.kernels[1:] if k.phases]
-    assert overlapped
-    assert plain.count("(split at the predecessor's measured end)") >= len(overlapped)
+    assert overlapped and apart
+    assert plain.count("(split at the predecessor's measured end)") == len(overlapped)
+    assert plain.count("(nominal split, not measured)") == len(apart)
 
 
 def test_html_profile_errors(tiny):
@@ -306,7 +309,7 @@ def test_html_profile_errors(tiny):
         viz.schedule_html(tiny, profile)
     with pytest.raises(GraphcError, match="duration_us"):
         viz.schedule_html(tiny, {"kernels": [{"node": "embed", "duration_us": -1}]})
-    with pytest.raises(GraphcError, match="profile"):
+    with pytest.raises(GraphcError, match=r'profile: expected \{"gpu": \.\.\., "batch": \.\.\., "kernels"'):
         viz.schedule_html(tiny, {"gpu": "x"})
 
 

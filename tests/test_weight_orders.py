@@ -102,7 +102,13 @@ def test_schedule_variants_load_the_blocked_kernels():
     assert len(sixteen) == len(gemm_keys) and all(key[w_blocked] == 1 and key[w_block_rows] == 16 for key in sixteen)
 
 
-def test_a_build_stores_the_blocks_it_is_asked_for():
+def test_a_build_stores_the_blocks_it_is_asked_for(monkeypatch):
+    """16-row blocks hold the same matrix; a GPU build's choice of weights (here on a faked SM
+    count) is the same at either block size for tiny's shapes, and the build hands its
+    block_rows to the store. (tests/test_step_gpu.py runs such a build.)"""
+    import graphc
+    from graphc import runtime
+
     spec, weights = tiny_weights()
     name = "L01.mlp.down.weight"
     plain = weights[name].clone()
@@ -110,8 +116,14 @@ def test_a_build_stores_the_blocks_it_is_asked_for():
     assert weights[name].shape[2] == 16 and torch.equal(weights.matrix(name), plain)
     s, graph = schedules(spec, [1, 4])
     assert blocked_weights(s, SMS, 16) == blocked_weights(s, SMS)    # tiny's shapes: whole 64-row blocks
-    import graphc
-
+    monkeypatch.setattr(runtime, "_sm_count", lambda dev: SMS)
+    for rows in (64, 16):
+        assert runtime._weights_in_blocks(s, torch.device("cuda"), None, True, print, rows) == \
+            blocked_weights(s, SMS, rows) != set()
+    stored = []
+    monkeypatch.setattr(Weights, "store_blocked", lambda self, names, rows: stored.append(rows))
+    graphc.build("layer_specs/tiny.yaml", [1], device="cpu", block_rows=16, progress=None)
+    assert stored == [16]
     with pytest.raises(GraphcError, match="block_rows=32 unsupported: rows per weight block are 64 or 16"):
         graphc.build("layer_specs/tiny.yaml", [1], device="cpu", block_rows=32)
 
