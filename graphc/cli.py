@@ -19,6 +19,7 @@ BUILD_OUTPUTS = ("graph.json", "schedule.txt", "graph.svg", "schedule.html")
 SMALL_MODEL_BYTES = 512 << 20     # reference step runs by default below this weight size
 MAX_BATCH = 512                   # graphc.runtime.MAX_BATCH (importing it here would load torch)
 DEFAULT_CONTEXT = 1024            # tokens per sequence for the floor and the benchmark
+H200_MEMORY_BYTES = 141e9         # NVIDIA's figure; a GPU build checks the GPU's real free memory
 MAX_SEED = 2**63 - 1              # graphc.runtime.MAX_SEED
 SPEC_HELP = "layer spec YAML file, e.g. layer_specs/tiny.yaml (docs/spec.md)"
 
@@ -246,9 +247,11 @@ def cmd_build(args) -> int:
             if spec.residual.kind == "attn_res" else ""))
     _say(f"  kernels {len(schedule.kernels)}, weights {wbytes / 1e9:.2f} GB")
     layout = memory_layout(schedule, sizes[-1])
-    _say(f"  GPU memory at batch sizes up to {sizes[-1]}: "
-         f"{(layout.total_bytes + DEVICE_HEADROOM_BYTES) / 1e9:.2f} GB ({layout.describe()}, "
-         f"workspace {DEVICE_HEADROOM_BYTES / 1e9:.1f} GB)")
+    gpu_bytes = layout.total_bytes + DEVICE_HEADROOM_BYTES
+    _say(f"  GPU memory at batch sizes up to {sizes[-1]}: {gpu_bytes / 1e9:.2f} GB ({layout.describe()}, "
+         f"workspace {DEVICE_HEADROOM_BYTES / 1e9:.1f} GB)"
+         + (f"; more than an H200's {H200_MEMORY_BYTES / 1e9:.0f} GB, so a GPU build there refuses it"
+            if not capture and gpu_bytes > H200_MEMORY_BYTES else ""))
     for group, s in _groups(schedules):
         _say(f"  batch {', '.join(map(str, group))}: {s.describe()}")
     missing = not_installed(graph, tuple(args.batch_sizes))

@@ -232,6 +232,20 @@ def test_a_disk_that_fills_up_leaves_the_old_outputs_and_no_partial_file(tmp_pat
     assert not (tmp_path / "new").exists()        # the folder it made for them is gone too
 
 
+def test_a_build_without_a_gpu_says_when_no_h200_holds_the_model(tmp_path):
+    """Without a GPU nothing is allocated, so a model too large for any H200 is described, not
+    refused; the summary says a GPU build would refuse it."""
+    spec = tmp_path / "long.yaml"
+    spec.write_text(open(TINY).read().replace("max_context: 256", "max_context: 4000000"))
+    r = run_cli("build", str(spec), "--out", str(tmp_path / "out"), "--no-reference", "--no-capture",
+                "--context", "1024")
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stdout.splitlines() if "GPU memory at batch sizes up to 8" in l)
+    assert line.endswith("; more than an H200's 141 GB, so a GPU build there refuses it")
+    r = run_cli("build", TINY, "--out", str(tmp_path / "tiny"), "--no-reference", "--no-capture")
+    assert r.returncode == 0 and "more than an H200" not in r.stdout
+
+
 def test_viz_creates_the_output_folder_and_checks_the_profile(tmp_path):
     assert main(["viz", TINY, "--out", str(tmp_path / "new" / "g.svg")]) == 0
     assert (tmp_path / "new" / "g.svg").stat().st_size > 1000
