@@ -375,10 +375,10 @@ def cmd_viz(args) -> int:
 
     out = Path(args.out)
     _writable_file(out, "--out")        # a folder given as --out is named as such first
-    if args.profile and picture_suffix(out) != ".html":
+    suffix = picture_suffix(out)        # before any work, and before a folder is made for it
+    if args.profile and suffix != ".html":
         raise GraphcError(f"--profile draws measured durations on the schedule timeline: write it to "
                           f"an .html file, not {out.name} (.svg and .dot draw the dataflow graph)")
-    picture_suffix(out)         # before any work, and before a folder is made for it
     profile = _load_profile(args.profile) if args.profile else None
     # Draw the schedule that was measured: the profile names its batch and the implementations.
     batch = (profile or {}).get("batch", args.batch)

@@ -423,11 +423,9 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     Compiling ahead (graphc/compile_ahead.py) runs while the weights load, so ``progress`` also
     hears from a background thread meanwhile.
     """
-    _check_build_arguments(weights, implementations, use_pdl, seed, progress, compile_jobs, block_weights)
+    _check_build_arguments(weights, implementations, use_pdl, seed, progress, compile_jobs, block_weights,
+                           block_rows)
     progress = progress or (lambda s: None)
-    if block_rows not in weight_blocks.ROW_BLOCKS:
-        raise GraphcError(f"block_rows={block_rows!r} unsupported: rows per weight block are "
-                          f"{' or '.join(map(str, weight_blocks.ROW_BLOCKS))}")
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     sizes = batch_size_list(batch_sizes)
     dev = run_device(device)
@@ -448,7 +446,8 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
 MAX_SEED = 2**63 - 1      # torch.Generator.manual_seed's range, which `graphc run` seeds too
 
 
-def _check_build_arguments(weights, implementations, use_pdl, seed, progress, compile_jobs, block_weights) -> None:
+def _check_build_arguments(weights, implementations, use_pdl, seed, progress, compile_jobs, block_weights,
+                           block_rows) -> None:
     """Refuse mistyped ``build`` arguments up front, as GraphcErrors: found late, a wrong
     ``progress`` would fail only after minutes of loading weights."""
     from collections.abc import Mapping
@@ -474,6 +473,9 @@ def _check_build_arguments(weights, implementations, use_pdl, seed, progress, co
         raise GraphcError(f"progress: expected a callable taking one line, or None; found {progress!r:.60}")
     if not (compile_jobs is None or (is_int(compile_jobs) and compile_jobs >= 0)):
         raise GraphcError(f"compile_jobs: expected None or a count of processes >= 0, found {compile_jobs!r:.60}")
+    if block_rows not in weight_blocks.ROW_BLOCKS:
+        raise GraphcError(f"block_rows={block_rows!r} unsupported: rows per weight block are "
+                          f"{' or '.join(map(str, weight_blocks.ROW_BLOCKS))}")
 
 
 def _allocate_and_capture(schedules: dict[int, Schedule], shapes, dev: torch.device, weights, seed: int,

@@ -228,19 +228,19 @@ class WideGemmConfig:
           each CTA one box of half of them. With an odd block count (7 at 112 rows) the two
           halves overlap by one block, which both CTAs load: one box shape and tensor map,
           at 1/B more of the tile read from L2 (the second read of that block is an L2 hit)."""
+        whole_tile = (self.n_tile, 1, self.n_tile)
+        pieces = (W_PIECE_ROWS, self.n_tile // W_PIECE_ROWS, W_PIECE_ROWS)
         if not self.w_blocked:
-            return self.n_tile, 1, self.n_tile
+            return whole_tile
         if self.w_block_rows == weight_blocks.BLOCK:
-            return W_PIECE_ROWS, self.n_tile // W_PIECE_ROWS, W_PIECE_ROWS
+            return pieces
         blocks = self.n_tile // self.w_block_rows
         if self.w_multicast == 1 or blocks == 1:
-            return self.n_tile, 1, self.n_tile
+            return whole_tile
         half = _ceil_div(blocks, 2) * self.w_block_rows
         if (self.n // self.w_block_rows) % (half // self.w_block_rows):
-            # A box of `half` rows must tile W's block rows (CuTe's local_tile): pieces instead.
-            return W_PIECE_ROWS, self.n_tile // W_PIECE_ROWS, W_PIECE_ROWS
+            return pieces       # a box of `half` rows must tile W's block rows (CuTe's local_tile)
         return half, 2, self.n_tile - half
-
 
     @staticmethod
     def wave_fill(m: int, n: int, sms: int, batch_tile: int, n_tile: int) -> float:

@@ -76,17 +76,15 @@ def first_rows_layout(buffers, rows: int):
         buffers.inner, 0, cute.make_layout(((8, rows // 8), *outer.shape[1:]), stride=outer.stride))
 
 
-def row_pieces_layout(buffers, rows: int, step: int | None = None, count: int | None = None):
-    """Every buffer of ``buffers`` (a 128B-swizzled K-major (rows, K, buffer) layout) cut into
-    pieces of ``rows`` rows (whole 8-row swizzle atoms): a (rows, K, (piece, buffer)) layout
-    over the same bytes. The swizzle follows the shared-memory address, so a box landing in a
-    piece is laid out as if the whole buffer had been one box. By default the pieces tile the
-    buffer; ``count`` pieces starting ``step`` rows apart (whole atoms) may also overlap."""
+def row_pieces_layout(buffers, rows: int, step: int, count: int):
+    """Every buffer of ``buffers`` (a 128B-swizzled K-major (rows, K, buffer) layout) seen as
+    ``count`` pieces of ``rows`` rows starting ``step`` rows apart (whole 8-row swizzle atoms;
+    pieces may overlap): a (rows, K, (piece, buffer)) layout over the same bytes. The swizzle
+    follows the shared-memory address, so a box landing in a piece is laid out as if the whole
+    buffer had been one box."""
     outer = buffers.outer
-    (atom_rows, atoms), k_mode, (one, n_buffers) = outer.shape
+    (atom_rows, _), k_mode, (_, n_buffers) = outer.shape
     (row_stride, atom_stride), k_stride, (_, buffer_stride) = outer.stride
-    step = rows if step is None else step
-    count = atoms * atom_rows // rows if count is None else count
     return cute.make_composed_layout(
         buffers.inner, 0, cute.make_layout(
             ((atom_rows, rows // atom_rows), k_mode, (count, n_buffers)),
