@@ -223,8 +223,14 @@ def report(g, cfg, label: str, verbose: bool = True) -> dict:
 
 def main() -> None:
     args = sys.argv[1:]
+    if {"-h", "--help"} & set(args):
+        print(__doc__)
+        return
+    unknown = [a for a in args if a.startswith("-") and a != "--precompile"]
+    if unknown:
+        raise SystemExit(f"gemm_timeline.py: unknown option {unknown[0]} (only --precompile)\n\n{__doc__}")
     precompile = "--precompile" in args
-    cases = [parse_case(a) for a in args if not a.startswith("--")]
+    cases = [parse_case(a) for a in args if not a.startswith("-")]
     shapes = bench_shapes()
     if not cases or any(name not in shapes for name, _, _ in cases):
         raise SystemExit(__doc__)

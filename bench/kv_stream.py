@@ -9,12 +9,29 @@ access pattern's (bench/decode_attention_notes.md, v12).
 """
 import argparse
 
-import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from graphc.bench import time_replays
+def _ints(text):
+    return [int(v) for v in text.split(",")]
+
+
+def _arguments():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=_ints, default=[32, 64])
+    ap.add_argument("--block-n", type=_ints, default=[32, 64, 128])
+    ap.add_argument("--tilings", default="4x4,3x8,6x4", help="stages x warps, comma-separated")
+    ap.add_argument("--loads", default="pointers,tma")
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = _arguments()     # before Triton is imported, so that --help works without it
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from graphc.bench import time_replays  # noqa: E402
 
 KV, HD, C, CONTEXT = 8, 128, 2048, 1024
 
@@ -50,17 +67,7 @@ def _read_tma(desc, out, C, L, BLOCK_N: tl.constexpr, HD: tl.constexpr, KV: tl.c
     tl.store(out + (t * KV + kvh) * HD + tl.arange(0, HD), tl.sum(acc, 0))
 
 
-def _ints(text):
-    return [int(v) for v in text.split(",")]
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=_ints, default=[32, 64])
-    ap.add_argument("--block-n", type=_ints, default=[32, 64, 128])
-    ap.add_argument("--tilings", default="4x4,3x8,6x4", help="stages x warps, comma-separated")
-    ap.add_argument("--loads", default="pointers,tma")
-    args = ap.parse_args()
+def main(args):
     tilings = [tuple(int(v) for v in s.split("x")) for s in args.tilings.split(",")]
     print(f"{'loads':>9} {'T':>4} {'bn':>4} {'stages':>6} {'warps':>5} {'us':>8} {'floor us':>9} {'ratio':>6}")
     for T in args.rows:
@@ -96,4 +103,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

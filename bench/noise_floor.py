@@ -18,7 +18,7 @@ from graphc.schedule import build_schedule
 
 TORCH = {"attn_res": "torch", "decode_attention": "torch", "linear": "cublas"}
 
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--spec", default="layer_specs/kimi_k3_dense_8l.yaml")
 p.add_argument("--batch", type=int, default=5)
 a = p.parse_args()

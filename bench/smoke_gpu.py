@@ -12,7 +12,7 @@ from graphc.reference import run_kernels
 from graphc.plan import Plan
 from graphc.schedule import build_schedule
 
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--spec", default="layer_specs/tiny.yaml")
 p.add_argument("--attn-res", default="torch")
 p.add_argument("--linear", default="cublas")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -107,15 +108,31 @@ def _context(spec, requested: int | None) -> int:
     return requested
 
 
-def _writable_folder(path: Path, what: str) -> Path:
+def _writable_folder(path: Path, what: str) -> list[Path]:
     """Create the folder ``path`` (and its parents) for ``what``, or refuse naming why; a
-    refusal creates nothing."""
+    refusal creates nothing. Returns the folders it created, deepest first, for
+    ``_write_all`` to remove again if the outputs cannot be written."""
     _check_writable(path, what, folder=True)
+    made = []
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        made.append(folder)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        _remove_folders(made)
         raise GraphcError(f"{what} {path}: cannot create it ({e.strerror})") from None
-    return path
+    return made
+
+
+def _remove_folders(made: list[Path]) -> None:
+    """Remove folders a command created (deepest first), each only while it is empty."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _writable_file(path: Path, what: str) -> None:
@@ -149,10 +166,11 @@ def _refuse_overwriting_inputs(path: Path, what: str, others: dict) -> None:
             raise GraphcError(f"{what} {path}: that is {name}; writing there would replace it")
 
 
-def _write_all(files: dict[Path, str]) -> None:
+def _write_all(files: dict[Path, str], made: list[Path] = ()) -> None:
     """Write every file under a temporary name beside it, then rename each into place: a
-    failure on the way (a full disk, a folder that refuses) leaves no truncated output and
-    replaces nothing."""
+    failure on the way (a full disk, a folder that refuses) leaves no truncated output,
+    replaces nothing and removes the folders ``made`` for the outputs (``_writable_folder``).
+    A file that is replaced keeps its permission bits (a group-readable schedule stays so)."""
     staged = []
     try:
         for path, text in files.items():
@@ -160,7 +178,12 @@ def _write_all(files: dict[Path, str]) -> None:
             staged.append(tmp)
             try:
                 tmp.write_text(text, encoding="utf-8")
+                if path.is_file():
+                    shutil.copymode(path, tmp)
             except OSError as e:
+                for t in staged:
+                    t.unlink(missing_ok=True)
+                _remove_folders(made)
                 raise GraphcError(f"{path}: cannot write it ({e.strerror or e}); no output was "
                                   f"written or replaced") from None
         for tmp, path in zip(staged, files):
@@ -224,8 +247,7 @@ def cmd_build(args) -> int:
         _refuse_overwriting_inputs(names_file, "--write-weight-names",
                                    {args.spec: "the spec", args.weights: "the --weights file",
                                     **{out / name: "an output of this build" for name in BUILD_OUTPUTS}})
-    created = not out.exists()
-    out = _writable_folder(out, "--out")
+    made = _writable_folder(out, "--out")
     shapes = weight_shapes(graph)
     outputs = {out / "graph.json": json.dumps(graph_json(graph), indent=1),
                out / "schedule.txt": schedules_text(schedules),
@@ -233,12 +255,7 @@ def cmd_build(args) -> int:
                out / "schedule.html": schedule_html(schedule)}
     if names_file:
         outputs[names_file] = "".join(f"{name}\t{list(shape)}\n" for name, shape in shapes.items())
-    try:
-        _write_all(outputs)
-    except GraphcError:
-        if created:
-            out.rmdir()         # empty: _write_all left nothing
-        raise
+    _write_all(outputs, made)
     if names_file:
         _progress(f"wrote {len(shapes)} weight names to {names_file}")
 
@@ -390,8 +407,8 @@ def cmd_viz(args) -> int:
             schedule = build_schedule(graph, profile["implementations"], batch=batch)
         except GraphcError as e:        # the profile's names, not the command line's
             raise GraphcError(f"--profile {args.profile}: {e}") from None
-    _writable_folder(out.parent, "--out folder")
-    _write_all({out: picture(schedule, out, profile)})
+    made = _writable_folder(out.parent, "--out folder")
+    _write_all({out: picture(schedule, out, profile)}, made)
     _say(f"wrote {out}")
     return 0
 
@@ -488,7 +505,8 @@ def cmd_compile(args) -> int:
     from .compile_ahead import compile_variants, kernel_cache, not_on_disk, schedule_variants
     from .schedule import build_schedule
 
-    cache_dir = _writable_folder(default_cache_dir(), "kernel cache (GRAPHC_CACHE_DIR)")
+    cache_dir = default_cache_dir()
+    _writable_folder(cache_dir, "kernel cache (GRAPHC_CACHE_DIR)")
     sizes = args.batch_sizes
     spec, graph, _ = _front(args.spec, batch=sizes[0])
     if gpu:

@@ -392,21 +392,30 @@ class _Loader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+def _line_of(mark) -> int:
+    """The 1-based line of a PyYAML mark as an editor or `grep -n` counts it: PyYAML also
+    breaks lines at U+0085, U+2028 and U+2029, which may stand inside a quoted string, so it
+    counts the newlines before the mark in the text itself."""
+    if mark.buffer is None:
+        return mark.line + 1
+    return mark.buffer.count("\n", 0, mark.index) + 1
+
+
 def _compose(text: str, file: str) -> Node | None:
     loader = None
     try:
         loader = _Loader(text)           # PyYAML refuses unprintable characters here already
         return loader.get_single_node()
     except _Refused as e:
-        raise SpecError(file, e.event.start_mark.line + 1, "<document>", e.expected, e.found) from None
+        raise SpecError(file, _line_of(e.event.start_mark), "<document>", e.expected, e.found) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         problem = re.sub(r"^(but )?found ", "", e.problem or "a parse error")
         if e.context:
             problem = f"{problem} ({e.context}" + (
-                f" at line {e.context_mark.line + 1})" if e.context_mark and e.context_mark is not mark else ")"
+                f" at line {_line_of(e.context_mark)})" if e.context_mark and e.context_mark is not mark else ")"
             )
-        raise SpecError(file, mark.line + 1 if mark else None, "<document>", "well-formed YAML", problem) from None
+        raise SpecError(file, _line_of(mark) if mark else None, "<document>", "well-formed YAML", problem) from None
     except yaml.reader.ReaderError as e:
         line = text[: e.position].count("\n") + 1 if isinstance(e.position, int) else None
         char = chr(e.character) if isinstance(e.character, int) else e.character
@@ -468,7 +477,7 @@ class _Parser:
     # -- errors ---------------------------------------------------------------------------
 
     def fail(self, where: Node | int | None, field: str, expected: str, found: str) -> NoReturn:
-        line = where.start_mark.line + 1 if isinstance(where, Node) else where
+        line = _line_of(where.start_mark) if isinstance(where, Node) else where
         raise SpecError(self.file, line, field, expected, found)
 
     # -- scalars --------------------------------------------------------------------------
@@ -550,7 +559,7 @@ class _Parser:
                           _found(key_node))
             key = self.scalar(key_node) if int_keys else key_node.value
             if key in out:
-                first = out[key][0].start_mark.line + 1
+                first = _line_of(out[key][0].start_mark)
                 self.fail(key_node, _join(field, key), "each key at most once",
                           f"a duplicate key '{key_node.value}' (first at line {first})")
             out[key] = (key_node, value_node)

@@ -239,3 +239,25 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     with step_ab.step_knobs({"cluster.trigger_at": 1}, None, roles):
         decode_attention_cluster.decode_attention(1, 2, heads=8)
     assert calls[-1] == ("cluster", {"trigger_at": 1, "heads": 8})
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def test_every_bench_script_explains_itself_on_a_machine_without_a_gpu(script):
+    """`--help` is how one finds out what a benchmark measures and how to run it; it must work
+    where the benchmark cannot (no GPU, no Triton: CI), and say what the script is."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
+    r = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=BENCH.parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    opening = " ".join(_docstring(BENCH / script).split()[:8])      # as argparse may re-wrap it
+    assert opening and opening in " ".join(r.stdout.split()), r.stdout[:500]
+
+
+def _docstring(path):
+    import ast
+
+    return ast.get_docstring(ast.parse(path.read_text())) or ""

@@ -228,8 +228,24 @@ def test_a_disk_that_fills_up_leaves_the_old_outputs_and_no_partial_file(tmp_pat
         f"graphc: error: {out / 'schedule.html'}: cannot write it (No space left on device); "
         f"no output was written or replaced")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert main(["build", TINY, "--out", str(tmp_path / "new"), "--no-reference"]) == 2
-    assert not (tmp_path / "new").exists()        # the folder it made for them is gone too
+    assert main(["build", TINY, "--out", str(tmp_path / "new" / "a" / "b"), "--no-reference"]) == 2
+    assert not (tmp_path / "new").exists()        # the folders it made for them are gone too
+    (tmp_path / "kept").mkdir()
+    assert main(["viz", TINY, "--out", str(tmp_path / "kept" / "c" / "schedule.html")]) == 2
+    assert list(tmp_path.joinpath("kept").iterdir()) == []      # what was there before stays
+
+
+def test_a_rebuild_keeps_the_permissions_of_the_files_it_replaces(tmp_path):
+    out = tmp_path / "out"
+    assert main(["build", TINY, "--out", str(out), "--no-reference"]) == 0
+    os.chmod(out / "schedule.txt", 0o640)
+    os.chmod(out / "graph.svg", 0o604)
+    fresh = (out / "graph.json").stat().st_mode & 0o777
+    assert main(["build", TINY, "--out", str(out), "--no-reference", "--batch-sizes", "2"]) == 0
+    assert (out / "schedule.txt").stat().st_mode & 0o777 == 0o640
+    assert (out / "graph.svg").stat().st_mode & 0o777 == 0o604
+    assert (out / "graph.json").stat().st_mode & 0o777 == fresh
+    assert (out / "schedule.txt").read_text().startswith("## batch sizes 2\n")     # replaced
 
 
 def test_a_build_without_a_gpu_says_when_no_h200_holds_the_model(tmp_path):

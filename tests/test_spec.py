@@ -63,6 +63,9 @@ def edit(old: str, new: str, text: str = BASE) -> str:
     return text.replace(old, new)
 
 
+LINE_SEPARATOR_IN_A_STRING = edit("  name: t\n", '  name: "t\u2028u"\n')
+
+
 def spec_error(text: str, path: str = "bad.yaml") -> SpecError:
     with pytest.raises(SpecError) as info:
         parse_spec(text, path)
@@ -422,6 +425,13 @@ MISTAKES = [
      ["a positive finite number", "(401 digits)"]),
     ("control_character", edit("  vocab: 4096\n", "  vocab: 4096 \x00\n"), "<document>", 4,
      ["printable YAML text", "the character '\\x00'"]),
+    # PyYAML breaks lines at U+2028 too, even inside a quoted string; lines are counted as an
+    # editor and `grep -n` count them, by newlines.
+    ("syntax_after_a_line_separator", LINE_SEPARATOR_IN_A_STRING + "x: y: z\n", "<document>", BASE_LINES + 1,
+     ["mapping values are not allowed here"]),
+    ("duplicate_after_a_line_separator",
+     edit("  vocab: 4096\n", "  vocab: 4096\n  hidden: 2048\n", LINE_SEPARATOR_IN_A_STRING), "model.hidden", 5,
+     ["duplicate key 'hidden' (first at line 3)"]),
 ]
 
 
