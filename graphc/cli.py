@@ -171,7 +171,7 @@ def _write_all(files: dict[Path, str], made: list[Path] = ()) -> None:
     failure on the way (a full disk, a folder that refuses) leaves no truncated output,
     replaces nothing and removes the folders ``made`` for the outputs (``_writable_folder``).
     A file that is replaced keeps its permission bits (a group-readable schedule stays so)."""
-    staged = []
+    staged, done = [], False
     try:
         for path, text in files.items():
             tmp = path.with_name(f".{path.name}.graphc-{os.getpid()}.partial")
@@ -181,16 +181,16 @@ def _write_all(files: dict[Path, str], made: list[Path] = ()) -> None:
                 if path.is_file():
                     shutil.copymode(path, tmp)
             except OSError as e:
-                for t in staged:
-                    t.unlink(missing_ok=True)
-                _remove_folders(made)
                 raise GraphcError(f"{path}: cannot write it ({e.strerror or e}); no output was "
                                   f"written or replaced") from None
         for tmp, path in zip(staged, files):
             os.replace(tmp, path)
+        done = True
     finally:
         for tmp in staged:
             tmp.unlink(missing_ok=True)
+        if not done:            # the staged files are gone, so the folders made for them are empty
+            _remove_folders(made)
 
 
 def _shown_tokens(tokens: list[int]) -> str:

@@ -1,7 +1,11 @@
 """CPU checks of the benchmark tools' bookkeeping (their GPU runs are in bench/)."""
 
+import ast
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -245,10 +249,6 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
 def test_every_bench_script_explains_itself_on_a_machine_without_a_gpu(script):
     """`--help` is how one finds out what a benchmark measures and how to run it; it must work
     where the benchmark cannot (no GPU, no Triton: CI), and say what the script is."""
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
     r = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
                        timeout=300, env=env, cwd=BENCH.parent)
@@ -258,6 +258,4 @@ def test_every_bench_script_explains_itself_on_a_machine_without_a_gpu(script):
 
 
 def _docstring(path):
-    import ast
-
     return ast.get_docstring(ast.parse(path.read_text())) or ""

@@ -11,10 +11,13 @@ from graphc.cli import main
 TINY = "layer_specs/tiny.yaml"
 
 
-def run_cli(*argv):
-    """The CLI in a fresh process, as a user runs it."""
+def run_cli(*argv, unset: tuple[str, ...] = ()):
+    """The CLI in a fresh process, as a user runs it, without the environment variables
+    ``unset`` (unset there, not in this process: a CuTe DSL first imported here without
+    CUTE_DSL_ARCH would target sm_100a for every later test)."""
+    env = {name: value for name, value in os.environ.items() if name not in unset}
     return subprocess.run([sys.executable, "-m", "graphc.cli", *argv], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                          text=True, timeout=300, env={**env, "CUDA_VISIBLE_DEVICES": ""})
 
 
 def test_build_writes_every_artifact_and_summary(tmp_path, capsys):
@@ -484,16 +487,16 @@ def test_compile_fills_the_kernel_cache_without_a_gpu(tmp_path, monkeypatch):
     from graphc.spec import load_spec
 
     monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)         # the command sets it itself
     graph = build_graph(load_spec(TINY))
     want = schedule_variants({b: build_schedule(graph, None, batch=b) for b in (1, 2)}, 132)
-    r = run_cli("compile", TINY, "--batch-sizes", "1,2", "--jobs", "2")
+    # The command sets CUTE_DSL_ARCH itself where there is no GPU.
+    r = run_cli("compile", TINY, "--batch-sizes", "1,2", "--jobs", "2", unset=("CUTE_DSL_ARCH",))
     assert r.returncode == 0, r.stderr
     assert f"tiny at batch sizes 1, 2: {len(want)} kernel variants for sm_90a, 132 SMs" in r.stdout
     assert f"compiled {len(want)}, 0 already cached" in r.stdout
     assert len(list(tmp_path.glob("*.o"))) == len(want)
     assert not_on_disk(want) == []          # the very variants a build loads, not as many others
-    again = run_cli("compile", TINY, "--batch-sizes", "2,1")
+    again = run_cli("compile", TINY, "--batch-sizes", "2,1", unset=("CUTE_DSL_ARCH",))
     assert again.returncode == 0 and f"compiled 0, {len(want)} already cached" in again.stdout
 
 
