@@ -561,7 +561,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--context", type=_positive,
                    help="tokens per sequence for the HBM floor (default 1024, or the model's max_context if smaller)")
     b.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
-                   help="run one reference step on the CPU (default: when weights < 512 MB)")
+                   help="run one reference step on the CPU (default: when weights are at most 512 MiB)")
     b.add_argument("--weights", type=_path, help="safetensors file (default: seeded random weights)")
     b.add_argument("--write-weight-names", type=_path, metavar="FILE", help="list expected weight names and shapes")
     b.add_argument("--no-pdl", action="store_true", help="full edges everywhere")
@@ -610,7 +610,8 @@ def make_parser() -> argparse.ArgumentParser:
     n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 64],
                    help="batch sizes to capture and time, comma-separated (default 1,8,64)")
     n.add_argument("--context", type=_positive,
-                   help="tokens already cached per sequence (default 1024, or the model's max_context if smaller)")
+                   help="tokens per sequence, the new one included: 1023 cached at the default 1024 "
+                        "(or the model's max_context if smaller)")
     n.add_argument("--weights", type=_path, help="safetensors file (default: seeded random weights)")
     n.add_argument("--out", type=_path, help="JSON results file (default bench/results/step_<spec>_<gpu>_<date>.json)")
     n.add_argument("--quick", action="store_true", help="only the graphc step, no baselines")

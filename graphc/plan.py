@@ -46,10 +46,7 @@ class Plan:
         self.slots = max_batch + 1
         self.scratch_slot = max_batch
         self.weights = weights
-        expected = weight_shapes(schedule.graph)
-        for name, shape in expected.items():
-            if name not in weights.tensors or weights.shape(name) != tuple(shape):
-                raise GraphcError(f"weight {name}: expected shape {list(shape)}")
+        weights.check(weight_shapes(schedule.graph), self.device)
         self.buffers: dict[str, Buffer] = schedule.graph.graph["buffers"]
         self.storage = self._allocate()
         self._bindings: dict[int, list[Binding]] = {}

@@ -106,9 +106,6 @@ class DecodeStep:
         off only for inputs already known good."""
         b = self._check_inputs(tokens, seq_lens, cache_slots, validate)
         size = self.padded_size(b)
-        served = self._served[size]
-        served[0] += 1
-        served[1] += b
         plan = self.plan
         if cache_slots is None:
             cache_slots = torch.arange(b, dtype=torch.int32, device=self.device)
@@ -123,6 +120,9 @@ class DecodeStep:
             self.graphs[size].replay()
         else:
             run_kernels(plan, size)
+        served = self._served[size]      # counted once it ran: padding() reports calls served
+        served[0] += 1
+        served[1] += b
         return plan.output(size)[:b]
 
     step = __call__
@@ -138,6 +138,8 @@ class DecodeStep:
             if not isinstance(t, torch.Tensor) or t.shape != (b,):
                 raise GraphcError(f"{name} must be a tensor of shape [{b}] (one per token), "
                                   f"found {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if t.layout != torch.strided:
+                raise GraphcError(f"{name} must be a dense tensor, found layout {t.layout}")
             if t.dtype not in (torch.int32, torch.int64):
                 raise GraphcError(f"{name} must be int32 or int64, found {t.dtype}")
             if t.device != self.device:
@@ -147,7 +149,10 @@ class DecodeStep:
         self.padded_size(b)
         if validate:
             # One small device-to-host read: refuse before anything is written to the cache.
-            lo_hi = torch.stack([tokens.min(), tokens.max(), seq_lens.min(), seq_lens.max()]).cpu()
+            ranges = [tokens.min(), tokens.max(), seq_lens.min(), seq_lens.max()]
+            if cache_slots is not None:
+                ranges.append(cache_slots.to(torch.int64))
+            lo_hi = torch.cat([r.to(torch.int64).reshape(-1) for r in ranges]).cpu()
             vocab, ctx = self.spec.model.vocab, self.spec.model.max_context
             if lo_hi[0] < 0 or lo_hi[1] >= vocab:
                 raise GraphcError(f"token ids must be in [0, {vocab}), found {int(lo_hi[0])}..{int(lo_hi[1])}")
@@ -157,7 +162,7 @@ class DecodeStep:
                 raise GraphcError(f"a sequence is past the maximum context: seq_lens must be in "
                                   f"[0, {ctx - 1}] (max_context {ctx}), found {int(lo_hi[2])}..{int(lo_hi[3])}")
             if cache_slots is not None:
-                slots = cache_slots.cpu()
+                slots = lo_hi[4:]
                 if slots.min() < 0 or slots.max() >= self.plan.max_batch:
                     raise GraphcError(f"cache_slots must be in [0, {self.plan.max_batch}), "
                                       f"found {int(slots.min())}..{int(slots.max())}")
@@ -311,6 +316,8 @@ def _slot_list(cache_slots, max_batch: int) -> list[int]:
         t = torch.as_tensor(cache_slots)
     except (TypeError, ValueError, RuntimeError):
         raise GraphcError(f"{wanted}, found {cache_slots!r}") from None
+    if t.layout != torch.strided or t.device.type == "meta":
+        raise GraphcError(f"{wanted}: a dense tensor with values, found a {t.layout} tensor on {t.device}")
     if t.numel() == 0:
         return []
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
@@ -435,6 +442,8 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     chosen = gpu_implementations(graph, dev, implementations, sizes, progress) if dev.type == "cuda" else implementations
     schedules = {b: build_schedule(graph, chosen, use_pdl, batch=b) for b in sizes}
     shapes = weight_shapes(graph)
+    if isinstance(weights, Weights):
+        weights.check(shapes, dev)
     # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
     check_memory(schedules[sizes[-1]], sizes[-1], dev, weights)
     with _device_guard(dev):
@@ -473,7 +482,7 @@ def _check_build_arguments(weights, implementations, use_pdl, seed, progress, co
         raise GraphcError(f"progress: expected a callable taking one line, or None; found {progress!r:.60}")
     if not (compile_jobs is None or (is_int(compile_jobs) and compile_jobs >= 0)):
         raise GraphcError(f"compile_jobs: expected None or a count of processes >= 0, found {compile_jobs!r:.60}")
-    if block_rows not in weight_blocks.ROW_BLOCKS:
+    if not (is_int(block_rows) and block_rows in weight_blocks.ROW_BLOCKS):
         raise GraphcError(f"block_rows={block_rows!r} unsupported: rows per weight block are "
                           f"{' or '.join(map(str, weight_blocks.ROW_BLOCKS))}")
 

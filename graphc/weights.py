@@ -8,6 +8,7 @@ ever fetched from a network.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import os
 import re
@@ -40,18 +41,24 @@ class Weights:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """The stored tensor (blocks for a blocked weight; ``matrix`` for [N, K])."""
-        return self.tensors[name]
+        try:
+            return self.tensors[name]
+        except KeyError:
+            near = difflib.get_close_matches(str(name), self.tensors, n=3)
+            raise GraphcError(f"no weight named {name!r}"
+                              + (f"; did you mean {', '.join(near)}?" if near else
+                                 f" ({len(self.tensors)} weights, e.g. {next(iter(self.tensors), '-')})")) from None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The weight's shape as the model has it ([N, K] also when stored in blocks)."""
-        t = self.tensors[name]
+        t = self[name]
         return weight_blocks.matrix_shape(t) if weight_blocks.is_blocked(t) else tuple(t.shape)
 
     def is_blocked(self, name: str) -> bool:
-        return weight_blocks.is_blocked(self.tensors[name])
+        return weight_blocks.is_blocked(self[name])
 
     def blocked(self) -> set[str]:
         """Names of the weights stored in blocks."""
@@ -59,7 +66,27 @@ class Weights:
 
     def matrix(self, name: str) -> torch.Tensor:
         """The weight as the model has it: the stored tensor, or a row-major copy of blocks."""
-        return weight_blocks.as_matrix(self.tensors[name])
+        return weight_blocks.as_matrix(self[name])
+
+    def check(self, shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> None:
+        """Refuse these weights for a model of ``shapes`` on ``device`` unless every weight is
+        there, bf16, dense and contiguous on that device, with its shape: a kernel would
+        otherwise read them wrongly or fail only at the step's first call."""
+        for name, shape in shapes.items():
+            t = self.tensors.get(name)
+            if t is None:
+                raise GraphcError(f"weight {name}: missing from the Weights given ({self.origin})")
+            if not isinstance(t, torch.Tensor):
+                raise GraphcError(f"weight {name}: expected a tensor, found {type(t).__name__}")
+            if self.shape(name) != tuple(shape):
+                raise GraphcError(f"weight {name}: expected shape {list(shape)}, found {list(self.shape(name))}")
+            if t.dtype != torch.bfloat16:
+                raise GraphcError(f"weight {name}: expected bfloat16, found {t.dtype}")
+            if t.layout != torch.strided or not t.is_contiguous():
+                raise GraphcError(f"weight {name}: expected a dense contiguous tensor (kernels read it "
+                                  f"as stored), found {'a ' + str(t.layout) if t.layout != torch.strided else 'strides ' + str(t.stride())}")
+            if t.device.type != device.type or device.index not in (None, t.device.index):
+                raise GraphcError(f"weight {name}: on {t.device}, the step runs on {device}")
 
     def row_major(self) -> "Weights":
         """These weights with every one in blocks copied back to [N, K] (the others shared, not

@@ -1329,7 +1329,7 @@ def reads_blocks(m: int, k: int, n: int, epilogue: str | None = None, ctas: int 
     Both kernels read blocks (the stream-K one in 64-row boxes, 2-7% faster than rows; the
     whole-K tiles of gemm_wide.py in 16-row pieces, faster only with tiles of a multiple of 32
     rows, bench/gemm_notes.md §34). Where the whole-K tiles with 80 or 112 rows run on rows
-    (qkv at 116-128 rows, down and o_proj at 128 and 231-256), blocks would hand the call to the
+    (qkv at 116-128 rows, down at 128 and 231-256, o_proj at 231-256), blocks would hand the call to the
     stream-K kernel, measured up to 5% slower there than those tiles on rows. A build stores a
     weight in blocks only where this holds at every batch size it captures (graphc/plan.py)."""
     if not weight_blocks.blockable((n, k)):

@@ -65,6 +65,10 @@ BAD = [
      {"cache_slots": torch.tensor([1, 1], dtype=torch.int32)}),
     ("cache_slots must be in", lambda: (torch.ones(2, dtype=torch.long), torch.zeros(2, dtype=torch.int32)),
      {"cache_slots": torch.tensor([0, 4], dtype=torch.int32)}),
+    ("tokens must be a dense tensor, found layout torch.sparse_coo",
+     lambda: (torch.tensor([1, 2]).to_sparse(), torch.zeros(2, dtype=torch.int32)), {}),
+    ("cache_slots must be a dense tensor", lambda: (torch.ones(2, dtype=torch.long), torch.zeros(2, dtype=torch.int32)),
+     {"cache_slots": torch.tensor([0, 1]).to_sparse()}),
 ]
 
 
@@ -117,7 +121,8 @@ def test_the_cpu_is_cpu_or_cpu_0():
 
 
 @pytest.mark.parametrize("slots", [[99], [-1], ["0"], [0.5], "0", torch.tensor([0.5]), [True],
-                                   np.array([[0, 1]]), [torch.tensor(1.5)]])
+                                   np.array([[0, 1]]), [torch.tensor(1.5)], torch.tensor([1]).to_sparse(),
+                                   torch.tensor([1], device="meta")])
 def test_reset_refuses_slots_the_step_does_not_have(step, slots):
     step(torch.tensor([7, 8]), torch.tensor([0, 0], dtype=torch.int32))
     before = kv_state(step)
@@ -153,6 +158,9 @@ def test_build_refuses_a_device_graphc_does_not_run_on(device):
     ({"progress": "x"}, "progress: expected a callable taking one line, or None; found 'x'"),
     ({"compile_jobs": "a"}, "compile_jobs: expected None or a count of processes >= 0, found 'a'"),
     ({"compile_jobs": -1}, "compile_jobs: expected None or a count"),
+    ({"block_rows": 64.0}, r"block_rows=64.0 unsupported: rows per weight block are 64 or 16"),
+    ({"block_rows": 32}, r"block_rows=32 unsupported"),
+    ({"block_rows": np.array([64, 16])}, r"block_rows=array\(\[64, 16\]\) unsupported"),
 ])
 def test_build_refuses_mistyped_arguments_before_any_work(kwargs, message, monkeypatch):
     """A wrong type is a GraphcError up front: found late, a bad ``progress`` would fail only
@@ -344,6 +352,54 @@ def test_ab_timing_alternates_its_candidates_and_takes_medians(monkeypatch):
     assert passes == {"a": [3.0, 2.0, 1.5], "b": [1.0, 5.0, 4.0]}
     assert {name: statistics.median(p) for name, p in passes.items()} == {"a": 2.0, "b": 4.0}
     assert order == [("a", 100), ("b", 100)] * 3
+
+
+def _weights_like(step, change):
+    from graphc.weights import Weights
+
+    return Weights({n: change(n, t) for n, t in step.plan.weights.tensors.items()}, "changed")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda n, t: t.float(), r"weight embed.weight: expected bfloat16, found torch.float32"),
+    (lambda n, t: t.half() if n == "lm_head.weight" else t, r"weight lm_head.weight: expected bfloat16, found torch.float16"),
+    (lambda n, t: t.to("meta") if n == "L01.mlp.down.weight" else t, r"weight L01.mlp.down.weight: on meta, the step runs on cpu"),
+    (lambda n, t: t.t().contiguous().t() if n == "L00.attn.qkv.weight" else t,
+     r"weight L00.attn.qkv.weight: expected a dense contiguous tensor .*found strides \(1, 1536\)"),
+    (lambda n, t: t[:-1] if n == "L00.attn.o_proj.weight" else t, r"weight L00.attn.o_proj.weight: expected shape \[1024, 1024\], found \[1023, 1024\]"),
+])
+def test_a_weights_object_the_kernels_cannot_read_is_refused_by_the_build(step, change, message):
+    """A Weights passed to build is checked like a file: dtype, layout, device and shape, at
+    build time, not as a torch error at the first call."""
+    with pytest.raises(GraphcError, match=message):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, weights=_weights_like(step, change))
+    weights = _weights_like(step, lambda n, t: t)
+    del weights.tensors["L02.attn_res.mlp.query"]
+    with pytest.raises(GraphcError, match=r"weight L02.attn_res.mlp.query: missing from the Weights given \(changed\)"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, weights=weights)
+
+
+def test_an_unknown_weight_name_is_a_graphc_error_with_suggestions(step):
+    with pytest.raises(GraphcError, match=r"no weight named 'L00.attn.qkv.weigth'; did you mean L00.attn.qkv.weight"):
+        step.plan.weights.matrix("L00.attn.qkv.weigth")
+
+
+def test_a_call_that_fails_after_its_checks_is_not_counted_as_served(monkeypatch):
+    """padding() counts the calls that ran: one that fails mid-way is not among them."""
+    import graphc.runtime
+
+    step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], device="cpu", progress=None)
+
+    def fail(plan, size):
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(graphc.runtime, "run_kernels", fail)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        step(torch.arange(3), torch.zeros(3, dtype=torch.int32))
+    assert step.padding()[4]["calls"] == 0
+    monkeypatch.undo()
+    step(torch.arange(3), torch.zeros(3, dtype=torch.int32))
+    assert step.padding()[4] == {"calls": 1, "rows": 3, "padded_rows": 1, "waste": 0.25}
 
 
 def test_padding_waste_is_reported_per_size():
