@@ -446,7 +446,9 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
         weights.check(shapes, dev)
     # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
     check_memory(schedules[sizes[-1]], sizes[-1], dev, weights)
-    with _device_guard(dev):
+    # Ordinary tensors even when built under torch.inference_mode(): its tensors could never
+    # be written outside it, and every call writes the step's buffers in place.
+    with _device_guard(dev), torch.inference_mode(False):
         blocked = _weights_in_blocks(schedules, dev, weights, block_weights, progress, block_rows)
         return _allocate_and_capture(schedules, shapes, dev, weights, seed, blocked, block_rows, compile_jobs,
                                      progress)

@@ -402,6 +402,17 @@ def test_a_call_that_fails_after_its_checks_is_not_counted_as_served(monkeypatch
     assert step.padding()[4] == {"calls": 1, "rows": 3, "padded_rows": 1, "waste": 0.25}
 
 
+def test_a_step_built_in_inference_mode_runs_outside_it_and_inside():
+    with torch.inference_mode():
+        step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[1], device="cpu", progress=None)
+    tokens, lens = torch.tensor([5]), torch.zeros(1, dtype=torch.int32)
+    outside = step(tokens, lens).clone()
+    step.reset()
+    with torch.inference_mode():
+        inside = step(tokens, lens).clone()
+    assert torch.equal(outside, inside)
+
+
 def test_padding_waste_is_reported_per_size():
     step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], device="cpu", progress=None)
     assert step.padding()[4] == {"calls": 0, "rows": 0, "padded_rows": 0, "waste": 0.0}
