@@ -147,6 +147,11 @@ def _check_writable(path: Path, what: str, folder: bool) -> None:
         if path.is_dir() != folder:
             raise GraphcError(f"{what} {path}: " + ("a file of that name is in the way" if folder
                                                     else "that is a folder; give a file name"))
+        if not folder and not path.is_file():
+            # An output is renamed into place, which would replace a device or a pipe with a
+            # regular file (as root, /dev/null itself).
+            raise GraphcError(f"{what} {path}: not a regular file (a device, a pipe or a socket); "
+                              f"give a file name")
         if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
             raise GraphcError(f"{what} {path}: this user cannot " + ("write into it" if folder else "overwrite it"))
         return
@@ -183,6 +188,9 @@ def _write_all(files: dict[Path, str], made: list[Path] = ()) -> None:
             except OSError as e:
                 raise GraphcError(f"{path}: cannot write it ({e.strerror or e}); no output was "
                                   f"written or replaced") from None
+        for path in files:          # checked up front too; a rename over a folder would fail half-way
+            if path.exists() and not path.is_file():
+                raise GraphcError(f"{path}: not a regular file; no output was written or replaced")
         for tmp, path in zip(staged, files):
             os.replace(tmp, path)
         done = True
@@ -239,13 +247,18 @@ def cmd_build(args) -> int:
         if args.weights:    # it reads every value, so check them now (a small model: cheap)
             check_finite_weights(args.weights, weight_shapes(graph))
     out = Path(args.out or Path("out") / Path(args.spec).stem)
+    inputs = {args.spec: "the spec", args.weights: "the --weights file"}
+    _check_writable(out, "--out", folder=True)
+    for name in BUILD_OUTPUTS:      # each output replaces only a file, and never an input
+        _writable_file(out / name, "--out")
+        _refuse_overwriting_inputs(out / name, "--out", inputs)
     names_file = Path(args.write_weight_names) if args.write_weight_names else None
     if names_file:       # written where it says, into a folder that must exist
         if not names_file.parent.is_dir():
             raise GraphcError(f"--write-weight-names {names_file}: no folder {names_file.parent}")
         _writable_file(names_file, "--write-weight-names")
         _refuse_overwriting_inputs(names_file, "--write-weight-names",
-                                   {args.spec: "the spec", args.weights: "the --weights file",
+                                   {**inputs, out: "the --out folder",
                                     **{out / name: "an output of this build" for name in BUILD_OUTPUTS}})
     made = _writable_folder(out, "--out")
     shapes = weight_shapes(graph)
@@ -366,7 +379,7 @@ def cmd_inspect(args) -> int:
     from .graph import describe_node, format_dims, weight_bytes
 
     spec, graph, schedule = _front(args.spec, batch=args.batch)
-    if args.node:
+    if args.node is not None:
         if args.node not in graph:
             import difflib
 
@@ -506,9 +519,10 @@ def cmd_compile(args) -> int:
     from .schedule import build_schedule
 
     cache_dir = default_cache_dir()
-    _writable_folder(cache_dir, "kernel cache (GRAPHC_CACHE_DIR)")
+    _check_writable(cache_dir, "kernel cache (GRAPHC_CACHE_DIR)", folder=True)
     sizes = args.batch_sizes
     spec, graph, _ = _front(args.spec, batch=sizes[0])
+    _writable_folder(cache_dir, "kernel cache (GRAPHC_CACHE_DIR)")    # created once the spec is good
     if gpu:
         from .runtime import gpu_implementations
 

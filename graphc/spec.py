@@ -353,12 +353,12 @@ def load_spec(path: str | os.PathLike) -> Spec:
     except OSError as e:
         raise SpecError(name, None, "<file>", "a readable spec file", e.strerror or str(e)) from None
     if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError(name, None, "<file>", f"a spec of at most {MAX_SPEC_BYTES // 2**20} MiB",
-                        f"{os.path.getsize(name) / 2**20:.0f} MiB")
+        raise SpecError(name, None, "<file>", f"a spec of at most {MAX_SPEC_BYTES // 2**20} MiB "
+                        f"({MAX_SPEC_BYTES} bytes)", f"{os.path.getsize(name)} bytes")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
+        line = _lines_before(raw, e.start) + 1
         raise SpecError(name, line, "<file>", "UTF-8 text", f"the byte 0x{raw[e.start]:02x}") from None
     return parse_spec(text, name)
 
@@ -392,13 +392,24 @@ class _Loader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+def _many_digits(text: str) -> str:
+    return f"{text[:20]}... ({len(text)} digits)"
+
+
 def _line_of(mark) -> int:
-    """The 1-based line of a PyYAML mark as an editor or `grep -n` counts it: PyYAML also
-    breaks lines at U+0085, U+2028 and U+2029, which may stand inside a quoted string, so it
-    counts the newlines before the mark in the text itself."""
+    """The 1-based line of a PyYAML mark as an editor counts it: PyYAML also breaks lines at
+    U+0085, U+2028 and U+2029, which may stand inside a quoted string, so it counts the line
+    breaks before the mark in the text itself."""
     if mark.buffer is None:
         return mark.line + 1
-    return mark.buffer.count("\n", 0, mark.index) + 1
+    return _lines_before(mark.buffer, mark.index) + 1
+
+
+def _lines_before(text: str | bytes, end: int) -> int:
+    """Line breaks in text[:end] as editors count them: LF, CRLF or a lone CR (old Mac files),
+    each one break."""
+    lf, cr = ("\n", "\r") if isinstance(text, str) else (b"\n", b"\r")
+    return text.count(lf, 0, end) + text.count(cr, 0, end) - text.count(cr + lf, 0, end)
 
 
 def _compose(text: str, file: str) -> Node | None:
@@ -417,7 +428,7 @@ def _compose(text: str, file: str) -> Node | None:
             )
         raise SpecError(file, _line_of(mark) if mark else None, "<document>", "well-formed YAML", problem) from None
     except yaml.reader.ReaderError as e:
-        line = text[: e.position].count("\n") + 1 if isinstance(e.position, int) else None
+        line = _lines_before(text, e.position) + 1 if isinstance(e.position, int) else None
         char = chr(e.character) if isinstance(e.character, int) else e.character
         raise SpecError(file, line, "<document>", "printable YAML text", f"the character {char!r}") from None
     except yaml.YAMLError as e:
@@ -489,7 +500,10 @@ class _Parser:
         if not (isinstance(node, ScalarNode) and node.tag == _INT):
             self.fail(node, field, what, _found(node))
         self.refuse_surprising_number(node, field, what, "a decimal integer")
-        return self.scalar(node)
+        try:
+            return self.scalar(node)
+        except ValueError:     # past Python's 4300-digit limit for converting decimal text
+            self.fail(node, field, what, _many_digits(node.value))
 
     def refuse_surprising_number(self, node: ScalarNode, field: str, what: str, write: str) -> None:
         """YAML 1.1 reads 0256 as octal 174, 4:16 as base 60 (256) and 1:30.5 as 90.5: never
@@ -512,8 +526,8 @@ class _Parser:
             self.refuse_surprising_number(node, field, what, "a decimal number")
             try:
                 value = float(self.scalar(node))
-            except OverflowError:          # an integer past float's range, e.g. 1 and 400 zeros
-                self.fail(node, field, what, f"{node.value[:20]}... ({len(node.value)} digits)")
+            except (OverflowError, ValueError):   # an integer past float's range (1 and 400 zeros)
+                self.fail(node, field, what, _many_digits(node.value))     # or past 4300 digits
         elif isinstance(node, ScalarNode) and node.tag == _STR and node.style is None and _DECIMAL_RE.match(node.value):
             value = float(node.value)
         else:
@@ -553,11 +567,12 @@ class _Parser:
                 self.fail(key_node, field or "<document>", "a plain key", _found(key_node))
             if int_keys:
                 # integer() also refuses the octal and base-60 forms: `010:` is layer 8 in YAML 1.1.
-                self.integer(key_node, _join(field, key_node.value), "an integer layer index as the key")
+                key = self.integer(key_node, _join(field, key_node.value[:20]), "an integer layer index as the key")
             elif key_node.tag != _STR:
                 self.fail(key_node, _join(field, key_node.value), "a field name (a string) as the key",
                           _found(key_node))
-            key = self.scalar(key_node) if int_keys else key_node.value
+            else:
+                key = key_node.value
             if key in out:
                 first = _line_of(out[key][0].start_mark)
                 self.fail(key_node, _join(field, key), "each key at most once",

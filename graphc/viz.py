@@ -339,7 +339,11 @@ _BAR_Y = 5
 _BAR_H = 16
 _TRACK_PAD = 28           # room left of the first bar of a section for its incoming edge
 _TRACK_TARGET = 860.0     # profile mode: the widest section is drawn about this wide ...
-_MEDIAN_MIN_PX = 22.0     # ... unless the median kernel would be narrower than this
+_MEDIAN_MIN_PX = 22.0     # ... unless the median kernel would be narrower than this ...
+_TRACK_MAX = 20000.0      # ... or that would make a section wider than this (a profile whose
+                          # starts lie far apart stays a page, not megabytes of SVG)
+_PROFILE_MAX_US = 1e9     # 1000 s: no kernel of a decode step is longer or starts later
+_PROFILE_MIN_US = 1e-3    # durations below a nanosecond are drawn as one
 _MIN_BAR_PX = 2.0
 
 
@@ -398,15 +402,14 @@ def _profile_bars(kernels, profile: Mapping[str, Any]) -> list[_Bar]:
         if not isinstance(row, Mapping) or "node" not in row or "duration_us" not in row:
             raise GraphcError(f"profile: kernels[{j}] needs a node and a duration_us")
         dur = row["duration_us"]
-        if not isinstance(dur, (int, float)) or isinstance(dur, bool) or not dur >= 0 \
-                or math.isinf(dur):
+        if not isinstance(dur, (int, float)) or isinstance(dur, bool) or not 0 <= dur <= _PROFILE_MAX_US:
             raise GraphcError(f"profile: kernels[{j}] ({row['node']}): duration_us must be a "
-                              f"finite number >= 0, got {dur!r}")
+                              f"number from 0 to {_PROFILE_MAX_US:.0e} (1000 s), got {dur!r}")
         if "start_us" in row and row["start_us"] is not None and (
                 not isinstance(row["start_us"], (int, float)) or isinstance(row["start_us"], bool)
-                or not math.isfinite(row["start_us"])):
+                or not abs(row["start_us"]) <= _PROFILE_MAX_US):
             raise GraphcError(f"profile: kernels[{j}] ({row['node']}): start_us must be a "
-                              f"finite number, got {row['start_us']!r}")
+                              f"number within +-{_PROFILE_MAX_US:.0e} (1000 s), got {row['start_us']!r}")
         by_node[str(row["node"])] = row
     missing = [k.node for k in kernels if k.node not in by_node]
     if missing:
@@ -558,10 +561,10 @@ def schedule_html(schedule, profile: Mapping[str, Any] | None = None, *,
 
     spans = [section_span(m) for _, m in sections]
     if measured:
-        widest = max((b - a for a, b in spans), default=0.0) or 1.0
+        widest = max(max((b - a for a, b in spans), default=0.0), _PROFILE_MIN_US)
         durations = sorted(b.end - b.start for b in bars)
-        median = durations[len(durations) // 2] or max(durations) or 1.0
-        px = max(_TRACK_TARGET / widest, _MEDIAN_MIN_PX / median)
+        median = max(durations[len(durations) // 2] or max(durations), _PROFILE_MIN_US)
+        px = min(max(_TRACK_TARGET / widest, _MEDIAN_MIN_PX / median), _TRACK_MAX / widest)
     else:
         px = _UNIT_PX
 

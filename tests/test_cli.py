@@ -208,6 +208,72 @@ def test_the_weight_names_never_replace_an_input_or_an_output(tmp_path, victim):
     assert target.read_bytes() == before
 
 
+@pytest.mark.parametrize("case", ["an output is a folder", "the spec is an output", "the weights are an output",
+                                  "names into the out folder", "names into a pipe"])
+def test_a_refused_build_replaces_no_earlier_output_and_no_input(tmp_path, case):
+    """Each output is checked before the first is written: one that cannot be replaced by a
+    file, one that is an input, and weight names into the --out folder itself or into a
+    special file (a rename would put a regular file in place of a pipe or a device)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from graphc.graph import build_graph, weight_shapes
+    from graphc.spec import load_spec
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("graph.json", "schedule.txt"):
+        (out / name).write_text("OLD")
+    spec = tmp_path / "mine.yaml"
+    spec.write_text(open(TINY).read())
+    argv = ["build", str(spec), "--out", str(out), "--no-reference"]
+    if case == "an output is a folder":
+        (out / "schedule.html").mkdir()
+        message = f"--out {out / 'schedule.html'}: that is a folder; give a file name"
+    elif case == "the spec is an output":
+        spec = out / "schedule.txt"
+        spec.write_text(open(TINY).read())
+        argv[1] = str(spec)
+        message = f"--out {spec}: that is the spec; writing there would replace it"
+    elif case == "the weights are an output":
+        weights = out / "graph.json"
+        save_file({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in weight_shapes(build_graph(load_spec(spec))).items()},
+                  str(weights))
+        argv += ["--weights", str(weights)]
+        message = f"--out {weights}: that is the --weights file; writing there would replace it"
+    elif case == "names into the out folder":
+        fresh = tmp_path / "fresh"
+        argv[3] = str(fresh)
+        argv += ["--write-weight-names", str(fresh)]
+        message = f"--write-weight-names {fresh}: that is the --out folder; writing there would replace it"
+    else:
+        os.mkfifo(tmp_path / "names.fifo")
+        argv += ["--write-weight-names", str(tmp_path / "names.fifo")]
+        message = f"--write-weight-names {tmp_path / 'names.fifo'}: not a regular file"
+    before = {p: (p.read_bytes() if p.is_file() else None) for p in [*out.iterdir(), spec]}
+    r = run_cli(*argv)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert message in r.stderr.splitlines()[-1], r.stderr
+    assert {p: (p.read_bytes() if p.is_file() else None) for p in [*out.iterdir(), spec]} == before
+    assert not (tmp_path / "fresh").exists()
+    if case == "names into a pipe":
+        import stat
+
+        assert stat.S_ISFIFO((tmp_path / "names.fifo").stat().st_mode)
+
+
+def test_inspect_of_an_empty_node_name_is_refused(capsys):
+    assert main(["inspect", TINY, ""]) == 2
+    assert "no node '' in" in capsys.readouterr().err
+
+
+def test_inspect_shows_the_output_norm_eps_the_kernel_uses(tmp_path, capsys):
+    spec = tmp_path / "eps.yaml"
+    spec.write_text(open(TINY).read().replace("final_norm:\n  eps: 1.0e-6\n", "final_norm:\n  eps: 0.5\n"))
+    assert main(["inspect", str(spec), "final.attn_res"]) == 0
+    assert "  out_eps    0.5" in capsys.readouterr().out.splitlines()
+
+
 def test_a_disk_that_fills_up_leaves_the_old_outputs_and_no_partial_file(tmp_path, monkeypatch, capsys):
     """A write that fails half-way (ENOSPC has no file name) is one line, and every earlier
     output is left as it was: the new ones are written under temporary names first."""
@@ -523,6 +589,11 @@ def test_compile_refuses_a_cache_it_cannot_fill_and_a_bad_job_count(tmp_path, mo
     assert main(["compile", TINY]) == 2
     assert capsys.readouterr().err.strip() == (f"graphc: error: kernel cache (GRAPHC_CACHE_DIR) {blocker}: "
                                                "a file of that name is in the way")
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path / "new" / "kernels"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open(TINY).read().replace("vocab: 4096", "vocab: -1"))
+    assert main(["compile", str(bad)]) == 2           # a bad spec creates no cache folder
+    assert "model.vocab" in capsys.readouterr().err and not (tmp_path / "new").exists()
     monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path / "kernels"))
     monkeypatch.setenv("GRAPHC_COMPILE_JOBS", "abc")
     assert main(["compile", TINY, "--batch-sizes", "1"]) == 2

@@ -289,7 +289,9 @@ def test_unreadable_files(tmp_path):
     big = tmp_path / "big.yaml"
     big.write_bytes(b"#" * (17 * 2**20))
     assert str(pytest.raises(SpecError, load_spec, big).value) == \
-        f"{big}: <file>: expected a spec of at most 16 MiB, found 17 MiB"
+        f"{big}: <file>: expected a spec of at most 16 MiB (16777216 bytes), found 17825792 bytes"
+    big.write_bytes(b"#" * (16 * 2**20 + 1))         # just past the limit: not "16 MiB, found 16 MiB"
+    assert pytest.raises(SpecError, load_spec, big).value.found == "16777217 bytes"
     with pytest.raises(GraphcError, match="a spec is the path of a YAML file .*found int 123"):
         load_spec(123)
     with pytest.raises(GraphcError, match=r"found text of several lines \(graphc.spec.parse_spec"):
@@ -429,6 +431,18 @@ MISTAKES = [
     # editor and `grep -n` count them, by newlines.
     ("syntax_after_a_line_separator", LINE_SEPARATOR_IN_A_STRING + "x: y: z\n", "<document>", BASE_LINES + 1,
      ["mapping values are not allowed here"]),
+    # Past Python's 4300-digit limit for decimal text, int() raises ValueError, not a spec error.
+    ("vocab_of_5000_digits", edit("  vocab: 4096\n", "  vocab: " + "1" * 5000 + "\n"), "model.vocab", 4,
+     ["a positive multiple of 64", "11111111111111111111... (5000 digits)"]),
+    ("rms_eps_of_5001_digits", edit("  rms_eps: 1.0e-6\n", "  rms_eps: 1" + "0" * 5000 + "\n"), "model.rms_eps", 6,
+     ["a positive finite number", "(5001 digits)"]),
+    ("override_key_of_5000_digits", BASE + "overrides:\n  ? " + "9" * 5000 + "\n  : {mlp: mlp}\n",
+     "overrides.99999999999999999999", BASE_LINES + 2, ["an integer layer index as the key", "(5000 digits)"]),
+    # An old Mac file breaks lines with a lone CR; PyYAML reads it so, and so do editors.
+    ("cr_only_line_endings", edit("  hidden: 1024\n", "  hidden: 1088\n").replace("\n", "\r"), "model.hidden", 3,
+     ["found 1088"]),
+    ("crlf_line_endings", edit("  hidden: 1024\n", "  hidden: 1088\n").replace("\n", "\r\n"), "model.hidden", 3,
+     ["found 1088"]),
     ("duplicate_after_a_line_separator",
      edit("  vocab: 4096\n", "  vocab: 4096\n  hidden: 2048\n", LINE_SEPARATOR_IN_A_STRING), "model.hidden", 5,
      ["duplicate key 'hidden' (first at line 3)"]),

@@ -313,6 +313,40 @@ def test_html_profile_errors(tiny):
         viz.schedule_html(tiny, {"gpu": "x"})
 
 
+@pytest.mark.parametrize("duration, start, message", [
+    (1e308, None, r"duration_us must be a number from 0 to 1e\+09 \(1000 s\), got 1e\+308"),
+    (1.0, 2e9, r"start_us must be a number within \+-1e\+09 \(1000 s\), got 2000000000.0"),
+    (float("nan"), None, "duration_us must be a number"),
+])
+def test_a_profile_past_any_real_step_is_refused(tiny, duration, start, message):
+    profile = _profile(tiny, starts=start is not None)
+    profile["kernels"][3]["duration_us"] = duration
+    if start is not None:
+        profile["kernels"][3]["start_us"] = start
+    with pytest.raises(GraphcError, match=message):
+        viz.schedule_html(tiny, profile)
+
+
+@pytest.mark.parametrize("edit", ["far apart starts", "one long kernel", "sub-nanosecond durations"])
+def test_a_profile_of_extreme_but_valid_times_draws_a_page_of_bounded_size(tiny, edit):
+    """The scale follows the median kernel unless a section would grow past _TRACK_MAX pixels:
+    a profile whose starts lie seconds apart (a hand edit, or a pause) stays a page."""
+    profile = _profile(tiny, starts=edit == "far apart starts")
+    rows = profile["kernels"]
+    if edit == "far apart starts":
+        for i, row in enumerate(rows):
+            row["start_us"] = i * 2e7           # 20 s apart
+    elif edit == "one long kernel":
+        rows[5]["duration_us"] = 1e9
+    else:
+        for row in rows:
+            row["duration_us"] = 1e-320
+    html = viz.schedule_html(tiny, profile)
+    assert len(html) < 2_000_000
+    widths = [float(w) for w in re.findall(r'<svg width="([0-9.]+)"', html)]
+    assert widths and max(widths) < viz._TRACK_MAX + 2000
+
+
 def test_html_is_self_contained(tiny, tiny_cute):
     for text in (viz.schedule_html(tiny), viz.schedule_html(tiny_cute, _profile(tiny_cute,
                                                                                starts=True))):

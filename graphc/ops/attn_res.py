@@ -87,7 +87,7 @@ class AttnResOp(Op):
 
     def params(self):
         return {"nb": self.nb, "has_delta": self.has_delta, "write": self.write,
-                "final": self.final, "eps": self.eps}
+                "final": self.final, "eps": self.eps, "out_eps": self.out_eps}
 
     def reference(self, t, w):
         key_norm, query = _mixing_weights(self, w)
