@@ -7,11 +7,14 @@ Per configuration (hidden 7168, has_delta, not final, no block write; nb in {1, 
 each launched with PDL, so call i+1's prologue overlaps call i; torch: 20 calls of
 ``attn_res_reference`` a graph). The calls rotate over enough input sets that the data of
 one round of replays is at least 3x the L2 size (several graphs when one chain of 100 calls
-is not enough), so the caches do not flatter. Time per call = the median over replays of
+is not enough), so the caches do not flatter graphc's columns. The PyTorch column uses at
+most 5 graphs (100 input sets), which at 1-8 tokens fit in L2: it is flattered, i.e. the
+comparison is conservative for graphc. Time per call = the median over replays of
 (graph time / calls), measured with CUDA events after warm-up.
 
-The floor is the HBM traffic, (nb + 4) x T x D x 2 bytes (nb saved blocks, prefix read and
-write, delta, output) at 4.3 TB/s (the device-to-device copy rate measured on an H200 here).
+The floor is the HBM traffic, ((nb + 4) x T + 3) x D x 2 bytes (nb saved blocks, prefix read
+and write, delta, output; the three weight vectors) at 4.3 TB/s (the device-to-device copy
+rate measured on an H200 here).
 Two graphc columns, because they answer different questions:
 - "graphc PDL": calls launched with PDL, so call i+1's pre phase overlaps call i. This is the
   rate of a chain of independent calls, which the decode step never is (a GEMM sits between
@@ -43,7 +46,10 @@ EPS = 1e-6
 
 
 def floor_us(T: int, nb: int, D: int) -> float:
-    return (nb + 4) * T * D * 2 / HBM_BYTES_PER_S * 1e6
+    """nb saved blocks, the delta and the prefix read, the prefix and the output written (T
+    rows each), and the three weight vectors (norm, key norm, query): each input set has its
+    own copies, so they come from HBM too."""
+    return ((nb + 4) * T + 3) * D * 2 / HBM_BYTES_PER_S * 1e6
 
 
 def make_set(T: int, D: int, nb: int, gen: torch.Generator) -> dict:

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
             steps[name] = build(spec, batch_sizes, weights=own, progress=None,
                                 implementations=implementations or None, **options)
 
-    floor_bw = device_floor_bandwidth()["hbm_bytes_per_s"]
+    floor_rates = device_floor_bandwidth()
     print(f"# {torch.cuda.get_device_name()}: {args.spec}, {args.rounds} rounds of the median of "
           f"100 replays; variants: " + "; ".join(a for a in args.variant))
     for b in batch_sizes:
@@ -160,7 +160,8 @@ def main(argv=None) -> int:
         passes = interleaved_rounds({name: step.graphs[b].replay for name, step in steps.items()},
                                     args.rounds, per_pass=100)
         times = {name: [t * 1e6 for t in p] for name, p in passes.items()}
-        floor_us = step_floor_s(steps[SHIPPED].schedule, b, args.context, floor_bw) * 1e6
+        floor_us = step_floor_s(steps[SHIPPED].schedule, b, args.context, floor_rates["hbm_bytes_per_s"],
+                                floor_rates["flops_per_s"]) * 1e6
         print(f"batch {b} (floor {floor_us:.1f} us):")
         for name in steps:
             diff = (logits[name] - logits[SHIPPED]).abs().max().item()

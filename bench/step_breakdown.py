@@ -29,8 +29,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from graphc.floor import H200_HBM_BYTES_PER_S  # noqa: E402
-
 
 def role(node: str) -> str:
     """The node's name without its layer prefix: the same op in every layer is one role."""
@@ -147,7 +145,7 @@ def main() -> None:
 
     import graphc
     from graphc.bench import bench_step
-    from graphc.floor import kernel_bytes
+    from graphc.floor import kernel_floor_s
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("spec")
@@ -177,8 +175,7 @@ def main() -> None:
             with open(os.path.join(args.timeline_dir, f"step_timeline_b{b}.json"), "w") as f:
                 json.dump(timeline, f, indent=1)
         prof = step.profile(b, context=args.context)
-        floors = {node: n / H200_HBM_BYTES_PER_S * 1e6
-                  for node, n in kernel_bytes(step.schedules[b], b, args.context).items()}
+        floors = {node: t * 1e6 for node, t in kernel_floor_s(step.schedules[b], b, args.context).items()}
         rows = breakdown(prof, floors, spans)
         print(format_breakdown(rows, timed["step_us"], timed["floor_us"], b), flush=True)
         print()

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from .errors import GraphcError
-from .floor import floor_bandwidth, step_floor_s
+from .floor import floor_bandwidth, floor_flops, step_floor_s
 from .reference import run_kernels
 
 
@@ -97,7 +97,7 @@ def device_floor_bandwidth(device="cuda") -> dict:
     except (ImportError, torch.cuda.OutOfMemoryError):   # no Triton; a model that fills the GPU
         read = None
     return {"hbm_bytes_per_s": bytes_per_s, "source": source, "copy_bytes_per_s": measured,
-            "read_bytes_per_s": read}
+            "read_bytes_per_s": read, "flops_per_s": floor_flops(name)}
 
 
 def _inputs(step, batch: int, context: int):
@@ -109,26 +109,29 @@ def _inputs(step, batch: int, context: int):
 
 def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = True,
                progress=lambda s: None, step=None, power: bool = False,
-               hbm_bytes_per_s: float | None = None) -> list[dict]:
-    """One row per batch size: the replayed step's median time against its HBM floor (at
-    ``hbm_bytes_per_s``; default: ``device_floor_bandwidth``), and with ``power`` what the
-    board drew meanwhile (``power.py``: 1.5 s of back-to-back replays per batch size, so a
-    power-capped batch size shows as one)."""
+               bandwidth: dict | None = None) -> list[dict]:
+    """One row per batch size: the replayed step's median time against its floor (at the
+    rates of ``bandwidth``; default: ``device_floor_bandwidth``; also at the board's read
+    rate where that was measured), and with ``power`` what the board drew meanwhile
+    (``power.py``: 1.5 s of back-to-back replays per batch size, so a power-capped batch size
+    shows as one)."""
     from .power import measure_power, nvidia_smi_id
     from .runtime import build
 
     step = step or build(spec, batch_sizes, weights=weights, device="cuda", use_pdl=use_pdl,
                          progress=progress)
-    if hbm_bytes_per_s is None:
-        hbm_bytes_per_s = device_floor_bandwidth(step.device)["hbm_bytes_per_s"]
+    bandwidth = bandwidth or device_floor_bandwidth(step.device)
+    flops_per_s, read = bandwidth.get("flops_per_s"), bandwidth.get("read_bytes_per_s")
     rows = []
     stats = step.stats()
     for b in batch_sizes:
         tokens, seq_lens = _inputs(step, b, context)
         step(tokens, seq_lens)
         t = time_replays(lambda: step.graphs[b].replay())
-        floor = step_floor_s(step.schedule, b, context, hbm_bytes_per_s)
+        floor = step_floor_s(step.schedule, b, context, bandwidth["hbm_bytes_per_s"], flops_per_s)
         row = {"batch": b, "step_us": t * 1e6, "floor_us": floor * 1e6, "ratio": t / floor, **stats[b]}
+        if read:        # the same floor with the bytes at the rate this board reads
+            row["read_floor_us"] = step_floor_s(step.schedule, b, context, read, flops_per_s) * 1e6
         if power:
             summary = measure_power(step.graphs[b].replay, nvidia_smi_id(step.device))
             row["power"] = None
@@ -195,7 +198,7 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
     step = build(spec, batch_sizes, weights=weights, device="cuda", progress=progress)
     bandwidth = device_floor_bandwidth(step.device)
     rows = bench_step(spec, batch_sizes, context, step=step, power=power,
-                      hbm_bytes_per_s=bandwidth["hbm_bytes_per_s"])
+                      bandwidth=bandwidth)
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "spec": str(spec_path), "context": context, "floor_bandwidth": bandwidth,
               "implementations": {b: step.schedules[b].implementation_summary() for b in batch_sizes},
@@ -245,7 +248,7 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
         if not in_turns:
             plain = build(plain_spec, batch_sizes, device="cuda", progress=progress)
             for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=plain,
-                                             hbm_bytes_per_s=bandwidth["hbm_bytes_per_s"])):
+                                             bandwidth=bandwidth)):
                 r["plain_step_us"] = p["step_us"]
                 r["attn_res_overhead"] = (r["step_us"] - p["step_us"]) / r["step_us"]
             del plain
@@ -258,7 +261,7 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
             library = build(spec, batch_sizes, weights=weights, device="cuda", use_pdl=False,
                             implementations=implementations, progress=progress)
             for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=library,
-                                             hbm_bytes_per_s=bandwidth["hbm_bytes_per_s"])):
+                                             bandwidth=bandwidth)):
                 r[key] = p["step_us"]
             del library
             torch.cuda.empty_cache()
@@ -275,14 +278,17 @@ def format_bench_table(result: dict) -> str:
     lines = [f"{result['spec']} on {result['gpu']} ({result['date']}), context {result['context']}"]
     if "floor_bandwidth" in result:        # results written before it was recorded lack it
         bw = result["floor_bandwidth"]
-        lines.append(f"floor: bytes / {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({bw['source']}); this board "
+        flops = (f" or FLOPs / {bw['flops_per_s'] / 1e12:.0f} TFLOP/s, the longer per kernel"
+                 if bw.get("flops_per_s") else "")
+        lines.append(f"floor: bytes / {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({bw['source']}){flops}; this board "
                      f"copies at {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     lines.append(format_step_table(result["rows"]))
     read = result.get("floor_bandwidth", {}).get("read_bytes_per_s")
     if read:        # the same bytes at the rate this board reads (kernels/hbm_read.py)
-        scale = read / result["floor_bandwidth"]["hbm_bytes_per_s"]
+        scale = read / result["floor_bandwidth"]["hbm_bytes_per_s"]    # results from before read_floor_us
         lines.append(f"against this board's read rate ({read / 1e12:.2f} TB/s, a read-only kernel): "
-                     + ", ".join(f"{r['ratio'] * scale:.3f}x at batch {r['batch']}" for r in result["rows"]))
+                     + ", ".join(f"{r['step_us'] / r['read_floor_us'] if 'read_floor_us' in r else r['ratio'] * scale:.3f}x"
+                                 f" at batch {r['batch']}" for r in result["rows"]))
     if "torch_eager_us" in result["rows"][0]:
         # Baselines a result has (files from before session 21 have neither).
         shown = [(key, label) for key, label in (("cublas_step_us", "cuBLAS us"), ("library_step_us", "cuBLAS+torch us"))

@@ -211,7 +211,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def cmd_build(args) -> int:
-    from .floor import step_floor_s
+    from .floor import H200_BF16_FLOPS_PER_S, H200_HBM_BYTES_PER_S, step_floor_s
     from .graph import weight_bytes, weight_shapes
     from .plan import DEVICE_HEADROOM_BYTES, memory_layout
     from .runtime import check_memory, gpu_implementations
@@ -288,7 +288,8 @@ def cmd_build(args) -> int:
     if missing:
         _say("  not installed here: " + "; ".join(f"{kind} {'/'.join(names)}" for kind, names in missing.items())
              + " (the schedules above use the next implementation; a GPU machine that has them would choose them)")
-    _say(f"  H200 HBM floor per step (context {ctx}, 4.3 TB/s):")
+    _say(f"  H200 floor per step (context {ctx}; per kernel its bytes at {H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
+         f"or its FLOPs at {H200_BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s where longer):")
     for b in args.batch_sizes:
         _say(f"    batch {b:4d}: {step_floor_s(schedule, b, ctx) * 1e6:10.1f} us")
     _say(f"  wrote {out}/{', '.join(BUILD_OUTPUTS)} (batch {sizes[0]})")

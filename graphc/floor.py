@@ -1,4 +1,7 @@
-"""The floor of a decode step: bytes that must move through HBM, over measured bandwidth."""
+"""The floor of a decode step (DESIGN §7): per kernel, the bytes it must move through HBM over
+measured bandwidth or its FLOPs over the measured matrix rate, whichever is larger, summed.
+Below ~128 rows every kernel of the shipped specs is byte-bound, so the FLOP term changes
+nothing there; from 256 rows the large GEMMs are compute-bound."""
 
 from __future__ import annotations
 
@@ -10,6 +13,10 @@ H200_HBM_BYTES_PER_S = 4.3e12
 # table in README.md and bench/ are against this constant, so it stays fixed for the H200 even
 # though boards copy a few percent apart; any other GPU is measured when it is benchmarked.
 HBM_BYTES_PER_S = {"NVIDIA H200": H200_HBM_BYTES_PER_S}
+# Measured dense bf16 matrix rate on an H200 (KINDS.md; the datasheet's 989 TFLOP/s is not
+# reached); bench/gemm.py's floors use it too. Other GPUs: the byte term alone (FLOPs None).
+H200_BF16_FLOPS_PER_S = 790e12
+BF16_FLOPS_PER_S = {"NVIDIA H200": H200_BF16_FLOPS_PER_S}
 
 
 def kernel_bytes(schedule: Schedule, batch: int, context: int) -> dict[str, int]:
@@ -23,9 +30,30 @@ def step_bytes(schedule: Schedule, batch: int, context: int) -> int:
     return sum(kernel_bytes(schedule, batch, context).values())
 
 
+def kernel_floor_s(schedule: Schedule, batch: int, context: int,
+                   bytes_per_s: float = H200_HBM_BYTES_PER_S,
+                   flops_per_s: float | None = H200_BF16_FLOPS_PER_S) -> dict[str, float]:
+    """Node -> the least time its kernel can take: its bytes over ``bytes_per_s``, or its
+    FLOPs over ``flops_per_s`` where that is longer (None: bytes only)."""
+    sizes = {"T": batch, "context": context, "slots": batch + 1}
+    floors = {}
+    for k in schedule.kernels:
+        t = k.op.bytes_moved(sizes) / bytes_per_s
+        if flops_per_s:
+            t = max(t, k.op.flops(sizes) / flops_per_s)
+        floors[k.node] = t
+    return floors
+
+
 def step_floor_s(schedule: Schedule, batch: int, context: int,
-                 bytes_per_s: float = H200_HBM_BYTES_PER_S) -> float:
-    return step_bytes(schedule, batch, context) / bytes_per_s
+                 bytes_per_s: float = H200_HBM_BYTES_PER_S,
+                 flops_per_s: float | None = H200_BF16_FLOPS_PER_S) -> float:
+    return sum(kernel_floor_s(schedule, batch, context, bytes_per_s, flops_per_s).values())
+
+
+def floor_flops(gpu_name: str) -> float | None:
+    """The matrix rate for the FLOP term of ``gpu_name``'s floors, where one was measured."""
+    return BF16_FLOPS_PER_S.get(gpu_name)
 
 
 def floor_bandwidth(gpu_name: str, measured_bytes_per_s: float | None) -> tuple[float, str]:

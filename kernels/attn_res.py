@@ -648,15 +648,12 @@ class _Launcher:
         args[self._STREAM] = cuda.CUstream(args[self._STREAM])
         if self.fast is None:
             self.fast = self._layout_matches(args)
-        self.fn(*args)
-        if self.fast and device not in self._executors:
-            # The executor the generic call just created (module loaded, bound to this
-            # device): reusing it keeps module loads out of any later graph capture.
-            executor = getattr(self.fn, "_default_executor", None)
-            if executor is None:
-                self.fast = False
-            else:
-                self._executors[device] = executor
+        # One executor per device, created (module loaded) by this first call, outside any
+        # capture: the function's own default executor stays bound to the first GPU it ran on.
+        executor = self._executors.get(device)
+        if executor is None:
+            executor = self._executors[device] = self.fn.to(device) if hasattr(self.fn, "to") else self.fn
+        executor(*args)
 
 
 _LAUNCHERS: dict[tuple, _Launcher] = {}

@@ -118,6 +118,7 @@ class CompileCache:
         self._source_hash = hashlib.sha256((text + _THIS_SOURCE).encode()).hexdigest()
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._memory: dict[Hashable, Any] = {}
+        self._executors: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         self.stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0, "disk_errors": 0}
         self.last_disk_error: str | None = None    # "<path>: <exception>" of the latest failure
@@ -154,8 +155,25 @@ class CompileCache:
                 self._memory[key] = fn
             return fn
 
+    def on_device(self, key: tuple, device: int) -> Any:
+        """The compiled kernel of ``key`` bound to GPU ``device``, to call with the kernel's
+        arguments. Called directly, a compiled CuTe DSL function binds itself to the GPU of its
+        first call and launches that GPU's kernel handles on any other (the DSL asks for one
+        ``fn.to(device)`` per device); a step on cuda:1 after one on cuda:0 would fail. The
+        module loads onto the device at the first call for that device, which the warm-up
+        makes, outside any capture."""
+        exe = self._executors.get((key, device))
+        if exe is None:
+            fn = self.get(key)
+            with self._lock:
+                exe = self._executors.get((key, device))
+                if exe is None:
+                    exe = self._executors[key, device] = fn.to(device) if hasattr(fn, "to") else fn
+        return exe
+
     def clear_memory(self) -> None:
         self._memory.clear()
+        self._executors.clear()
 
     def _load_or_build(self, key: tuple) -> Any:
         use_disk = disk_cache_enabled()

@@ -550,7 +550,7 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
                                  trigger_at)
     if timeline is not None and timeline.numel() < timeline_words(cfg.rows, kv_heads):
         raise ValueError(f"timeline needs {timeline_words(cfg.rows, kv_heads)} int64 words")
-    fn = _CACHE.get(cfg.key())
+    fn = _CACHE.on_device(cfg.key(), qkv.device.index)
     if stream is None:
         stream = torch.cuda.current_stream(qkv.device)
     fn(qkv.data_ptr(), kv.data_ptr(), seq_lens.data_ptr(), cache_slots.data_ptr(), out.data_ptr(),

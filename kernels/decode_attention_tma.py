@@ -657,7 +657,7 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
 
     validate(qkv, kv, seq_lens, cache_slots, out, heads, kv_heads, head_dim)
     cfg = config(qkv.shape[0], heads, kv_heads, head_dim, kv.shape[3], chunk, stages)
-    fn = _CACHE.get(cfg.key())
+    fn = _CACHE.on_device(cfg.key(), qkv.device.index)
     partials, counters = _workspace(cfg, qkv.device)
     if stream is None:
         stream = torch.cuda.current_stream(qkv.device)

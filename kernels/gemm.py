@@ -1212,7 +1212,7 @@ def _build(*key, options: str = ""):
     return cute.compile(kernel, *_compile_args())
 
 
-_CACHE = CompileCache("gemm", _build, (sys.modules[__name__], smem_pipeline))
+_CACHE = CompileCache("gemm", _build, (sys.modules[__name__], smem_pipeline, weight_blocks))
 
 
 def compile_cache() -> CompileCache:
@@ -1452,7 +1452,7 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
                                "it once before capturing (warm-up) so its kernel is loaded outside the graph")
         gemm_wide.launch(cfg, x, weight, out, stream, use_pdl)
         return
-    fn = _CACHE.get(cfg.key())
+    fn = _CACHE.on_device(cfg.key(), device.index)
     partials, counters = _workspace(cfg, device)
     fn(
         x.data_ptr(), weight.data_ptr(), out.data_ptr(), partials.data_ptr(), counters.data_ptr(),

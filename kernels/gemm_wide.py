@@ -585,7 +585,7 @@ def _build(*key, options: str = ""):
     return cute.compile(kernel, *args)
 
 
-_CACHE = CompileCache("gemm_wide", _build, (sys.modules[__name__], smem_pipeline))
+_CACHE = CompileCache("gemm_wide", _build, (sys.modules[__name__], smem_pipeline, weight_blocks))
 
 
 def compile_cache() -> CompileCache:
@@ -602,5 +602,5 @@ def compile_wide(cfg: WideGemmConfig, options: str | None = None):
 
 def launch(cfg: WideGemmConfig, x, weight, out, stream, use_pdl: bool) -> None:
     """Run ``cfg`` on checked tensors (kernels/gemm.py's ``linear`` validates and chooses)."""
-    fn = _CACHE.get(cfg.key())
+    fn = _CACHE.on_device(cfg.key(), x.device.index)
     fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), cuda.CUstream(stream.cuda_stream), bool(use_pdl))

@@ -51,11 +51,16 @@ def check_pdl_race(step, out, expected, kv, want_kv, replays: int = 100):
     """Capture ``step`` (a slow producer writing qkv, then attention on a PDL edge; it poisons
     qkv and ``out`` first) in a CUDA graph and replay it: every replay must give ``expected``
     bit for bit and leave the cache equal to ``want_kv``."""
+    from graphc.graph_edges import read_edges
+
     step()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph):
         step()
+    # A launch that lost its PDL attribute would run serialised and pass without testing anything.
+    assert read_edges(graph.raw_cuda_graph()).programmatic, "no PDL edge into the attention"
+    graph.instantiate()
     for i in range(replays):
         graph.replay()
         torch.cuda.synchronize()

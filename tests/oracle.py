@@ -109,7 +109,7 @@ class EagerModel:
             inter = layer.mlp.intermediate
             act = _bf16(torch.nn.functional.silu(gu[:inter]) * gu[inter:])
             incoming = linear(f"{p}.mlp.down", act)
-        NB = spec.num_blocks() if attn_res else 0
+        NB = math.ceil(len(spec.layers) / S) if attn_res else 0      # DESIGN §2: blocks of S layers
         out = residual(f"final.{name}", incoming, nb=NB, has_delta=True, write=-1, final=True,
                        out_eps=spec.final_norm_eps)
         return linear("lm_head", out, "embed.weight" if spec.tie_embeddings else None)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from graphc.kernels import attn_res as ar
-from graphc.ops.attn_res_math import SUPPORTED_HIDDEN_RULE, attn_res_reference, cluster_shape
+from graphc.ops.attn_res_math import SUPPORTED_HIDDEN_RULE, cluster_shape
 
 import test_attn_res_gpu as gpu_cases
 from ptxas_tool import run_ptxas
@@ -306,9 +306,15 @@ def test_gpu_case_helpers_nb0_final_cpu():
                                aux_count=0, seed=2, device="cpu")
     expected = gpu_cases.run_reference(case)
     assert gpu_cases.bitwise_equal(expected["prefix"], case["delta"]).all()  # replace
-    out = attn_res_reference(case["delta"], case["prefix"].clone(), case["blocks"].clone(), case["key_norm"],
-                             case["query"], case["out_norm"], **case["kwargs"])
-    gpu_cases.compare_bf16("output", out, expected["output"])
+    # The GPU tests' expected output against the oracle written straight from DESIGN §2.
+    from oracle import attn_res_one_token
+
+    kw = case["kwargs"]
+    for t in range(2):
+        want, _ = attn_res_one_token(case["delta"][t].float(), case["prefix"][t].float(), [],
+                                     case["key_norm"].float(), case["query"].float(), case["out_norm"].float(),
+                                     nb=0, has_delta=False, final=True, eps=kw["eps"], out_eps=kw["out_eps"])
+        gpu_cases.compare_bf16("output", expected["output"][t:t + 1], want.to(torch.bfloat16)[None])
 
 
 def test_precompile_lists_every_attn_res_call_of_the_shipped_specs():

@@ -270,6 +270,37 @@ def test_sampled_flags(T, hidden, nb):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hidden", (1024, 5120, 6144, 8192))     # clusters of 1, 5, 6 and 8 CTAs
+@pytest.mark.parametrize("nb", (0, 5))
+def test_every_cluster_size(hidden, nb):
+    """HIDDEN covers clusters of 2, 3, 4 and 7 CTAs; the other portable sizes, tiny's width
+    (one CTA: no peers to exchange with) and 8 CTAs (the portable maximum) among them."""
+    for k, flags in enumerate([(True, False, True, 1), (False, True, False, 0)]):
+        _run_and_check(3, hidden, nb, flags, seed=_seed("cluster", hidden, nb, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden, nb", [(2048, 1), (7168, 5)])
+@pytest.mark.parametrize("final", (False, True))
+def test_eps_and_out_eps_each_reach_their_norm(hidden, nb, final):
+    """With EPS = OUT_EPS = 1e-6 beside data of RMS 0.1-10 a kernel that dropped or swapped
+    the two would pass every other case; here both matter (sources of RMS ~0.3, eps 0.5 on the
+    key norm, out_eps 0.02 on the output norm) and differ."""
+    case = make_case(4, hidden, nb, has_delta=True, final=final, write_slot=False, aux_count=0,
+                     seed=_seed("eps", hidden, nb, final))
+    for name in ("delta", "prefix", "blocks"):
+        case[name] = (case[name].float() * 0.1).to(torch.bfloat16)
+    case["kwargs"].update(eps=0.5, out_eps=0.02)
+    expected = run_reference(case)
+    swapped = clone_case(case)
+    swapped["kwargs"].update(eps=0.02, out_eps=0.5)
+    assert not torch.allclose(run_reference(swapped)["output"].float(), expected["output"].float(), rtol=2e-2)
+    run_kernel(case)
+    torch.cuda.synchronize()
+    check_case(case, expected)
+
+
+@pytest.mark.gpu
 def test_write_last_slot_of_many():
     """NB larger than needed (13 slots), nb = 3, write the last slot: the token stride is NB * D."""
     for T in (1, 5):

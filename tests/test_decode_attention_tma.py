@@ -164,6 +164,23 @@ def test_against_reference(T, maxlen, chunk, stages):
 
 
 @pytest.mark.gpu
+def test_never_written_rows_may_hold_nan():
+    """Rows past each sequence's new token are never written by graphc, so they hold whatever
+    the memory held: NaN there must not reach the output, nor the cache rows it does write."""
+    qkv, kv, lens, slots = make_case(4, 1100, 5)
+    for t in range(4):
+        kv[int(slots[t]), :, :, int(lens[t]):] = float("nan")
+    clean = torch.nan_to_num(kv, nan=0.0)
+    want, want_kv = reference(qkv, clean, lens, slots)
+    got = torch.full_like(want, float("nan"))
+    tma.decode_attention(qkv, kv, lens, slots, got, heads=H, kv_heads=KV, head_dim=HD)
+    check_close(got, want)
+    for t in range(4):          # the appended token is the reference's, NaN elsewhere untouched
+        s, n = int(slots[t]), int(lens[t])
+        assert torch.equal(kv[s, :, :, :n + 1], want_kv[s, :, :, :n + 1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 32])
 def test_pdl_race_with_slow_producer(T):
     """A slow kernel (triggers at entry, spins 20 us, then writes qkv) precedes attention on a

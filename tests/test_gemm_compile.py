@@ -713,13 +713,15 @@ def test_plan_routes_between_the_two_kernels():
 
 def test_compile_caches_hash_the_shared_pipeline_helpers():
     """The decode GEMMs' objects on disk are keyed by kernels/smem_pipeline.py's source too (it
-    generates part of their code), so an edit there cannot leave stale kernels behind."""
-    from graphc.kernels import smem_pipeline
+    generates part of their code) and by kernels/weight_blocks.py's (its block size shapes the
+    weight layout they read), so an edit there cannot leave stale kernels behind."""
+    from graphc.kernels import smem_pipeline, weight_blocks
     from graphc.kernels.compile_cache import CompileCache
 
     for cache, module in ((gemm.compile_cache(), gemm), (gemm_wide.compile_cache(), gemm_wide)):
         key = (8, 1024, 1024)
-        assert cache.digest(key) == CompileCache(cache.name, None, (module, smem_pipeline)).digest(key)
+        assert cache.digest(key) == CompileCache(cache.name, None, (module, smem_pipeline, weight_blocks)).digest(key)
+        assert cache.digest(key) != CompileCache(cache.name, None, (module, smem_pipeline)).digest(key)
         assert cache.digest(key) != CompileCache(cache.name, None, module).digest(key)
     assert CompileCache("t", None, ("a", "b")).digest((1,)) != CompileCache("t", None, ("a", "c")).digest((1,))
 

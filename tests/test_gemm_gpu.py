@@ -124,17 +124,24 @@ def test_explicit_stream():
     _check_close(out, _reference(x, w, "silu_mul"))
 
 
-def _capture(fn, warmup: bool = True):
-    """A CUDA graph of ``fn`` (warmed up once on a side stream, as torch recommends)."""
+def _capture(fn, warmup: bool = True, programmatic_edges: int = 0):
+    """A CUDA graph of ``fn`` (warmed up once on a side stream, as torch recommends), checked
+    to hold at least ``programmatic_edges`` PDL edges: a race test whose launches had silently
+    lost their PDL attribute would run serialised and pass without testing anything."""
+    from graphc.graph_edges import read_edges
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     if warmup:
         with torch.cuda.stream(s):
             fn()
         torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph):
         fn()
+    edges = read_edges(graph.raw_cuda_graph())
+    assert len(edges.programmatic) >= programmatic_edges, edges
+    graph.instantiate()
     torch.cuda.synchronize()
     return graph
 
@@ -178,7 +185,7 @@ def test_graph_chain_of_gemms():
         for x, out in zip(xs, outs):
             gemm.linear(x, w, out, use_pdl=True)
 
-    graph = _capture(step)
+    graph = _capture(step, programmatic_edges=len(xs) - 1)
     for _ in range(10):
         for out in outs:
             out.fill_(float("nan"))
@@ -216,7 +223,7 @@ def test_pdl_race_with_slow_producer(m, k, n, epilogue):
         pdl_producer.slow_copy(x_src, x, 20_000)                 # spins ~20 us, then writes x
         gemm.linear(x, w, out, epilogue=epilogue, use_pdl=True)  # PDL edge from the slow copy
 
-    graph = _capture(step)
+    graph = _capture(step, programmatic_edges=1)
     for i in range(200):
         graph.replay()
         torch.cuda.synchronize()
@@ -259,7 +266,7 @@ def test_pdl_race_gemm_as_producer(m):
     torch.cuda.synchronize()
     expected = [t.clone() for t in (y1, y2, res)]
     _check_close(expected[1], _reference(_reference(x, w1, None).to(torch.bfloat16), w2, None))
-    graph = _capture(lambda: step(True))
+    graph = _capture(lambda: step(True), programmatic_edges=2)     # into the second GEMM and AttnRes
     for i in range(200):
         graph.replay()
         torch.cuda.synchronize()

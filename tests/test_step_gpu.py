@@ -103,6 +103,7 @@ def test_kimi_8l_four_steps_against_reference(step8l, rows8l, batch):
     slots = torch.randperm(32, generator=gen)[:batch].to(torch.int32).cuda()
     for s in range(4):
         tokens = torch.randint(0, 163840, (batch,), generator=gen).cuda()
+        step8l.plan.output(size).fill_(float("nan"))      # each step must write every logit again
         got = step8l(tokens, start + s, slots).clone()
         assert torch.equal(got, eager_call(eager, size, tokens, start + s, slots))
         want = reference_call(ref, tokens, start + s, slots).clone()
@@ -252,6 +253,23 @@ def test_a_step_on_a_gpu_that_is_not_the_current_one():
     assert torch.cuda.current_device() == 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_the_same_kernels_serve_steps_on_two_gpus_in_one_process():
+    """One process, a step on GPU 0 and then the same spec on GPU 1: every CuTe DSL kernel
+    variant is shared through the compile cache, and each must run on the GPU of its step
+    (a compiled function's own default executor stays bound to the first GPU it ran on).
+    Same weights, deterministic kernels: the two steps' logits are bitwise equal."""
+    first, second = torch.device("cuda", 0), torch.device("cuda", torch.cuda.device_count() - 1)
+    steps = [graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], device=str(d), progress=None)
+             for d in (first, second)]
+    assert all(s.schedule_for(4).implementations()[k.node] == "cute" for s in steps
+               for k in s.schedule_for(4).kernels if k.op.kind in ("linear", "attn_res"))
+    for b in (1, 3):
+        logits = [s(torch.arange(4, 4 + b, device=d), torch.zeros(b, dtype=torch.int32, device=d)).cpu()
+                  for s, d in zip(steps, (first, second))]
+        assert torch.isfinite(logits[0].float()).all() and torch.equal(logits[0], logits[1])
+
+
 def test_weight_reload_reaches_the_captured_graphs(tmp_path):
     """load_weights streams a file into the weights the graphs read, one tensor at a time: the
     replayed step then gives exactly what a fresh build from the same file gives."""
@@ -392,6 +410,31 @@ def test_decode_attention_refuses_a_combine_width_that_is_not_a_power_of_two():
     out = torch.empty(1, 64 * 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="combine_splits=3 unsupported: a power of two"):
         decode_attention(qkv, kv, lens, slots, out, heads=64, kv_heads=8, head_dim=128, combine_splits=3)
+
+
+def test_the_triton_attention_ignores_nan_in_rows_never_written():
+    """Rows past each sequence's new token hold whatever the memory held (graphc never writes
+    them): NaN there must not reach the output (P = 0 there, and 0 x NaN is NaN)."""
+    from graphc.graph import build_graph
+    from graphc.kernels.decode_attention import decode_attention
+    from graphc.spec import load_spec
+
+    op = build_graph(load_spec("layer_specs/kimi_k3_dense_8l.yaml")).nodes["L00.attn.attention"]["op"]
+    T = 4
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    qkv = torch.randn(T, (64 + 16) * 128, generator=gen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(T + 1, 2, 8, 2048, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    lens = torch.randint(0, 1100, (T,), generator=gen, device="cuda", dtype=torch.int32)
+    slots = torch.randperm(T + 1, device="cuda")[:T].to(torch.int32)
+    for t in range(T):
+        kv[int(slots[t]), :, :, int(lens[t]):] = float("nan")
+    clean = torch.nan_to_num(kv, nan=0.0)
+    want = torch.full((T, 64 * 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = want.clone()
+    op.reference({"qkv": qkv, "kv": clean, "seq_lens": lens, "cache_slots": slots, "out": want}, {})
+    decode_attention(qkv, kv, lens, slots, got, heads=64, kv_heads=8, head_dim=128)
+    assert not torch.isnan(got).any()
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("pv, combine_splits", [("bf16x2", 16), ("bf16", 16), ("bf16x2", 1), ("bf16x2", 4)])

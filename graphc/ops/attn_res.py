@@ -99,10 +99,10 @@ class AttnResOp(Op):
         write_output(t["out"], out)
 
     def bytes_moved(self, sizes):
-        # Rows touched, not whole buffers: nb saved blocks, prefix in/out, delta, output,
-        # the written slot; weights once.
+        # Rows touched, not whole buffers: nb saved blocks read, the delta read, the prefix
+        # read (when adding to it) and written, the output, the written slot; weights once.
         T, D = sizes["T"], self.hidden
-        rows = self.nb + 2 + int(self.has_delta) + int(self.write >= 0)
+        rows = self.nb + 3 + int(self.has_delta) + int(self.write >= 0)
         return rows * T * D * 2 + self.weight_bytes()
 
     def flops(self, sizes):
