@@ -57,6 +57,12 @@ class DecodeStep:
     The logits returned by a call are a view of a static buffer: the next call overwrites them.
     Clone them if you keep them.
 
+    Calls run on the device's current stream, one after another. Do not run two steps (two
+    builds of one process on the same GPU) on two streams at once: the decode GEMM and the TMA
+    attention keep their split-K partials and arrival counters in one workspace per kernel
+    configuration and device, shared by every step of the process, which stays consistent only
+    while the launches that use it are ordered.
+
     ``schedules`` holds each captured batch size's schedule (its implementations can differ:
     the decode GEMM at small batches, cuBLAS at large ones); ``schedule`` is the largest's.
     """

@@ -143,8 +143,16 @@ def test_build_refuses_unknown_implementation(tiny):
 
 def test_unsafe_schedule_error_lists_every_refusal(tiny):
     s = build_schedule(tiny).with_kernel("L00.attn.qkv", edge="pdl").with_kernel("L01.attn.qkv", edge="pdl")
-    err = UnsafeSchedule(verify(s))
+    refusals = verify(s)
+    err = UnsafeSchedule(refusals)
     assert "L00.attn.qkv" in str(err) and "L01.attn.qkv" in str(err)
+    # Each refusal says why, not only where.
+    assert all(r.message and r.node in ("L00.attn.qkv", "L01.attn.qkv") for r in refusals), refusals
+
+
+def test_an_edge_kind_that_is_neither_full_nor_pdl_is_refused(tiny):
+    s = build_schedule(tiny).with_kernel("L00.attn.o_proj", edge="programmatic")
+    assert [str(r) for r in verify(s)] == ["L00.attn.o_proj: unknown edge kind 'programmatic'"]
 
 
 def test_linear_implementation_follows_the_measured_crossover():
