@@ -101,6 +101,16 @@ def test_ptx_structure(config):
     prefetch = _find(lines, r"prefetch\.global\.L2")
     assert len(prefetch) == 1 + int(has_delta) and all(trigger[0] < i < w for i in prefetch)
 
+    # Rule (3), wait before exit on every path: one exit, after the wait, and no branch before
+    # the wait lands past it (the compiler's $L__ labels; the labels inside the inline-asm
+    # mbarrier loops are local to their braces).
+    exits = _find(lines, r"^\s*(ret|exit)\b")
+    assert len(exits) == 1 and exits[0] > w, [lines[i] for i in exits]
+    label_at = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\$L__\w+):", line))}
+    for i in _find(lines, r"\bbra(\.uni)?\s+\$L__"):
+        target = label_at[re.search(r"(\$L__\w+)", lines[i]).group(1)]
+        assert not (i < w < target), f"branch at {i} jumps over the wait to {target}"
+
     # No global store before the wait: prefix, aux0, aux1, block slot, output after it.
     stores = _find(lines, r"\bst\.global")
     assert len(stores) == 5 and all(i > w for i in stores), [lines[i] for i in stores]
