@@ -57,11 +57,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from graphc.bench import copy_bytes_per_s, read_bytes_per_s  # noqa: E402
-from graphc.floor import H200_HBM_BYTES_PER_S  # noqa: E402
+from graphc.floor import H200_BF16_FLOPS_PER_S, H200_HBM_BYTES_PER_S  # noqa: E402
 from graphc.kernels import gemm, weight_blocks  # noqa: E402
 from graphc.power import measure_power, nvidia_smi_id  # noqa: E402
 
-BF16_FLOPS = 790e12          # measured dense bf16 matrix rate on H200 (KINDS.md)
+BF16_FLOPS = H200_BF16_FLOPS_PER_S   # measured dense bf16 matrix rate on H200 (KINDS.md)
 
 BIG_SHAPES = [
     ("gate_up", 7168, 36864, "silu_mul"),

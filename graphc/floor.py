@@ -19,10 +19,14 @@ H200_BF16_FLOPS_PER_S = 790e12
 BF16_FLOPS_PER_S = {"NVIDIA H200": H200_BF16_FLOPS_PER_S}
 
 
+def _sizes(batch: int, context: int) -> dict[str, int]:
+    return {"T": batch, "context": context, "slots": batch + 1}
+
+
 def kernel_bytes(schedule: Schedule, batch: int, context: int) -> dict[str, int]:
     """Node -> the bytes its kernel must move: its weights once, the KV cache actually read
     (``context`` tokens per row), its activations."""
-    sizes = {"T": batch, "context": context, "slots": batch + 1}
+    sizes = _sizes(batch, context)
     return {k.node: k.op.bytes_moved(sizes) for k in schedule.kernels}
 
 
@@ -35,13 +39,11 @@ def kernel_floor_s(schedule: Schedule, batch: int, context: int,
                    flops_per_s: float | None = H200_BF16_FLOPS_PER_S) -> dict[str, float]:
     """Node -> the least time its kernel can take: its bytes over ``bytes_per_s``, or its
     FLOPs over ``flops_per_s`` where that is longer (None: bytes only)."""
-    sizes = {"T": batch, "context": context, "slots": batch + 1}
-    floors = {}
-    for k in schedule.kernels:
-        t = k.op.bytes_moved(sizes) / bytes_per_s
-        if flops_per_s:
-            t = max(t, k.op.flops(sizes) / flops_per_s)
-        floors[k.node] = t
+    sizes = _sizes(batch, context)
+    floors = {node: n / bytes_per_s for node, n in kernel_bytes(schedule, batch, context).items()}
+    if flops_per_s:
+        for k in schedule.kernels:
+            floors[k.node] = max(floors[k.node], k.op.flops(sizes) / flops_per_s)
     return floors
 
 

@@ -157,7 +157,7 @@ class DecodeStep:
             # One small device-to-host read: refuse before anything is written to the cache.
             ranges = [tokens.min(), tokens.max(), seq_lens.min(), seq_lens.max()]
             if cache_slots is not None:
-                ranges.append(cache_slots.to(torch.int64))
+                ranges.append(cache_slots)
             lo_hi = torch.cat([r.to(torch.int64).reshape(-1) for r in ranges]).cpu()
             vocab, ctx = self.spec.model.vocab, self.spec.model.max_context
             if lo_hi[0] < 0 or lo_hi[1] >= vocab:
