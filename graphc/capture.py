@@ -48,7 +48,8 @@ def launch_all(plan: Plan, batch: int, stream: torch.cuda.Stream,
     schedule = schedule or plan.schedule
     for k, b in zip(plan.kernels_of(schedule), plan.bindings(batch)):
         edge = (edge_override or {}).get(k.node, k.edge)
-        k.op.implementations[k.impl].launch(k.op, b.tensors, b.weights, stream, edge == "pdl")
+        k.op.implementations[k.impl].launch(k.op, b.tensors, b.weights, stream, edge == "pdl",
+                                            plan.workspaces)
         if after_each is not None:
             after_each(k.index)
 

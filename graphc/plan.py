@@ -23,6 +23,7 @@ import torch
 from .errors import GraphcError
 from .graph import weight_bytes, weight_shapes
 from .kernels import weight_blocks
+from .kernels.workspaces import Workspaces
 from .ops.base import DTYPES, Buffer
 from .schedule import Schedule
 from .weights import Weights
@@ -49,6 +50,9 @@ class Plan:
         weights.check(weight_shapes(schedule.graph), self.device)
         self.buffers: dict[str, Buffer] = schedule.graph.graph["buffers"]
         self.storage = self._allocate()
+        # The split-K kernels' scratch memory, this plan's own: two steps of one process may
+        # then be replayed on two streams at once without mixing each other's partials.
+        self.workspaces = Workspaces()
         self._bindings: dict[int, list[Binding]] = {}
 
     @property

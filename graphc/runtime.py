@@ -57,11 +57,10 @@ class DecodeStep:
     The logits returned by a call are a view of a static buffer: the next call overwrites them.
     Clone them if you keep them.
 
-    Calls run on the device's current stream, one after another. Do not run two steps (two
-    builds of one process on the same GPU) on two streams at once: the decode GEMM and the TMA
-    attention keep their split-K partials and arrival counters in one workspace per kernel
-    configuration and device, shared by every step of the process, which stays consistent only
-    while the launches that use it are ordered.
+    Calls run on the device's current stream, one after another. Two steps (two builds of one
+    process) may run on two streams at once: each plan has its own split-K workspaces
+    (``plan.workspaces``). One step must not be called on two streams at once: its calls share
+    its static input, output and KV-cache buffers as well.
 
     ``schedules`` holds each captured batch size's schedule (its implementations can differ:
     the decode GEMM at small batches, cuBLAS at large ones); ``schedule`` is the largest's.
@@ -267,7 +266,8 @@ class DecodeStep:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=side):
                 for _ in range(repeat):
-                    launch(k.op, b.tensors, b.weights, torch.cuda.current_stream(), False)
+                    launch(k.op, b.tensors, b.weights, torch.cuda.current_stream(), False,
+                           self.plan.workspaces)
             rows.append({"node": k.node, "kind": k.op.kind,
                          "duration_us": time_replays(g.replay, 2, replays) * 1e6 / repeat})
             del g

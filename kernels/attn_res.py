@@ -604,10 +604,10 @@ class _Launcher:
     _KINDS = (ctypes.c_int64,) * 9 + (ctypes.c_int32,) * 4 + (ctypes.c_float,) * 2 + (ctypes.c_void_p, ctypes.c_bool)
     _STREAM = 15
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, key: tuple):
+        self.key = key
+        self.fn = _CACHE.get(key)
         self.fast: bool | None = None
-        self._executors: dict[int, object] = {}
         self._tls = threading.local()
 
     def _layout_matches(self, args) -> bool:
@@ -636,9 +636,7 @@ class _Launcher:
     def __call__(self, device: int, args: list) -> None:
         """``args``: the 17 arguments of AttnResKernel.__call__, the stream as its raw handle."""
         if self.fast:
-            executor = self._executors.get(device)
-            if executor is None:
-                executor = self._executors[device] = self.fn.to(device)
+            executor = _CACHE.on_device(self.key, device)
             values, addresses = self._block()
             for value, arg in zip(values, args):
                 value.value = arg
@@ -648,12 +646,10 @@ class _Launcher:
         args[self._STREAM] = cuda.CUstream(args[self._STREAM])
         if self.fast is None:
             self.fast = self._layout_matches(args)
-        # One executor per device, created (module loaded) by this first call, outside any
-        # capture: the function's own default executor stays bound to the first GPU it ran on.
-        executor = self._executors.get(device)
-        if executor is None:
-            executor = self._executors[device] = self.fn.to(device) if hasattr(self.fn, "to") else self.fn
-        executor(*args)
+        # One executor per device (CompileCache.on_device), created (module loaded) by this
+        # first call, outside any capture: the function's own default executor stays bound to
+        # the first GPU it ran on.
+        _CACHE.on_device(self.key, device)(*args)
 
 
 _LAUNCHERS: dict[tuple, _Launcher] = {}
@@ -662,7 +658,7 @@ _LAUNCHERS: dict[tuple, _Launcher] = {}
 def _launcher(key: tuple) -> _Launcher:
     launcher = _LAUNCHERS.get(key)
     if launcher is None:
-        launcher = _LAUNCHERS[key] = _Launcher(_CACHE.get(key))
+        launcher = _LAUNCHERS[key] = _Launcher(key)
     return launcher
 
 

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .workspaces import SHARED, Workspaces
+
 # How p @ V is computed: "bf16x2" (p = hi + lo, two bf16 MMAs, 2^-17 relative), "bf16" (p rounded
 # to bf16, one MMA, 2^-9) or "fp32" (exact FMAs on CUDA cores). Benchmarks compare them.
 PV_MODES = {"fp32": 0, "bf16": 1, "bf16x2": 2}
@@ -54,8 +56,6 @@ def default_tiling(rows: int) -> tuple[int, int, int]:
         return 1024, 64, 4     # 38.7 us at 32 rows (512/64/2: 47.3)
     return 1024, 32, 4         # 70.7 us at 64 rows (512/64/2: 77.5; floor 62.4)
 
-
-_workspaces: dict = {}
 
 # bench/attention_triton_timeline.py compiles the kernel with TIMELINE=1: each program then
 # writes these %globaltimer stamps (ns) into ``stamps`` (the shipped build compiles them out).
@@ -201,7 +201,8 @@ def _split_kv(qkv, kv, seq_lens, slots, m_ws, l_ws, acc_ws, counters, out, stamp
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int,
                      head_dim: int, chunk: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int | None = None, pv: str = DEFAULT_PV,
-                     combine_splits: int = 16, stamps: torch.Tensor | None = None) -> None:
+                     combine_splits: int = 16, stamps: torch.Tensor | None = None,
+                     workspaces: Workspaces | None = None) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]``. Shapes as in graphc.ops.attention (kv: [slots, 2, kv_heads,
     max_context, head_dim], any strides). The tiling arguments default to
@@ -209,7 +210,9 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
     two) is how many splits' partials the combining program loads at once (1: one at a time,
     as before session 19; the sum's grouping, not its result beyond an ulp, differs). Executes ``griddepcontrol.launch_dependents`` at entry, so a successor
     launched with the PDL attribute overlaps this kernel. ``stamps`` (int64, ``len(STAMPS)`` per program, for
-    bench/attention_triton_timeline.py): compile the timed variant and write ``STAMPS`` there."""
+    bench/attention_triton_timeline.py): compile the timed variant and write ``STAMPS`` there.
+    ``workspaces``: whose split-KV partials and counters it uses (kernels/workspaces.py; default
+    the process's shared ones); the first call of a shape allocates them, outside capture."""
     if pv not in PV_MODES:
         raise ValueError(f"pv={pv!r} unsupported: one of {', '.join(PV_MODES)}")
     if combine_splits < 1 or combine_splits & (combine_splits - 1):
@@ -221,16 +224,16 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
     num_stages = num_stages or tiled[2]
     G = heads // kv_heads
     nsplit = math.ceil(C / chunk)
-    key = (qkv.device, T, heads, kv_heads, nsplit, head_dim)
-    if key not in _workspaces:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_attention: first call at this shape happened during CUDA "
-                               "graph capture; call it once before capturing (warm-up)")
-        _workspaces[key] = (torch.empty(T * heads * nsplit, device=qkv.device),
-                            torch.empty(T * heads * nsplit, device=qkv.device),
-                            torch.empty(T * heads * nsplit * head_dim, device=qkv.device),
-                            torch.zeros(T * kv_heads, device=qkv.device, dtype=torch.int32))
-    m_ws, l_ws, acc_ws, counters = _workspaces[key]
+
+    def make():
+        n = T * heads * nsplit
+        return (torch.empty(n, device=qkv.device), torch.empty(n, device=qkv.device),
+                torch.empty(n * head_dim, device=qkv.device),
+                torch.zeros(T * kv_heads, device=qkv.device, dtype=torch.int32))
+
+    m_ws, l_ws, acc_ws, counters = (workspaces or SHARED).get(
+        ("attention_triton", qkv.device.index, T, heads, kv_heads, nsplit, head_dim), make,
+        f"decode_attention at {T} rows")
     # Any strides work (kv is [slots, 2, kv_heads, max_context, head_dim] logically); graphc's
     # cache is head-major and contiguous, so a program reads one contiguous run per K and V.
     _split_kv[(T, kv_heads, nsplit)](

@@ -534,11 +534,12 @@ def compile_attention(rows: int, heads: int, kv_heads: int, head_dim: int, max_c
 
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int, head_dim: int,
-                     stream=None, use_pdl: bool = True, timeline=None, trigger_at: int = 0) -> None:
+                     stream=None, use_pdl: bool = True, timeline=None, trigger_at: int = 0,
+                     workspaces=None) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]`` (graphc.ops.attention's contract, contiguous tensors only).
     Launched with the PDL attribute when ``use_pdl``; needs no workspace, so it is capturable
-    from its first call. ``timeline`` (bench only): an int64 tensor of at least
+    from its first call (``workspaces`` is taken, and unused, for the TMA kernel's signature). ``timeline`` (bench only): an int64 tensor of at least
     timeline_words(rows, kv_heads) elements; the kernel compiled with stamps writes them there."""
     import torch
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -70,6 +69,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .compile_cache import CompileCache
+from .workspaces import SHARED, Workspaces
 
 # PDL traits of this kernel, read by graphc.ops.attention (DESIGN §4).
 PROLOGUE_INPUTS = ("kv", "seq_lens", "cache_slots")
@@ -594,30 +594,21 @@ def compile_attention(rows: int, heads: int, kv_heads: int, head_dim: int, max_c
     return _CACHE.get(cfg.key())
 
 
-_WORKSPACES: dict[tuple, tuple] = {}
-_WS_LOCK = threading.Lock()
-
-
-def _workspace(cfg: AttentionConfig, device):
-    """(partials, counters) for one configuration on one device, allocated once. Counters start
-    at zero and every launch leaves them at zero (the combining split resets its counter); two
-    launches that share them are ordered because both touch them only after their PDL wait."""
+def _workspace(cfg: AttentionConfig, device, workspaces: Workspaces | None = None):
+    """(partials, counters) for one configuration on one device, from ``workspaces`` (default:
+    the process's shared ones; kernels/workspaces.py), allocated at the first call. Counters
+    start at zero and every launch leaves them at zero (the combining split resets its
+    counter); two launches that share them are ordered because both touch them only after
+    their PDL wait, when they run on one stream."""
     import torch
 
-    key = (device.index, cfg.key())
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode attention: first call of {cfg} happened during CUDA graph "
-                               "capture; call it once before capturing (warm-up)")
-        with _WS_LOCK:
-            ws = _WORKSPACES.get(key)
-            if ws is None:
-                partials = cfg.rows * cfg.heads * cfg.splits * (2 + cfg.head_dim)
-                ws = (torch.empty(partials, dtype=torch.float32, device=device),
-                      torch.zeros(cfg.rows * cfg.kv_heads, dtype=torch.int32, device=device))
-                _WORKSPACES[key] = ws
-    return ws
+    def make():
+        partials = cfg.rows * cfg.heads * cfg.splits * (2 + cfg.head_dim)
+        return (torch.empty(partials, dtype=torch.float32, device=device),
+                torch.zeros(cfg.rows * cfg.kv_heads, dtype=torch.int32, device=device))
+
+    return (workspaces or SHARED).get(("attention_tma", device.index, cfg.key()), make,
+                                      f"decode attention: {cfg}")
 
 
 def validate(qkv, kv, seq_lens, cache_slots, out, heads: int, kv_heads: int, head_dim: int) -> None:
@@ -648,17 +639,18 @@ def validate(qkv, kv, seq_lens, cache_slots, out, heads: int, kv_heads: int, hea
 
 def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_heads: int, head_dim: int,
                      chunk: int | None = None, stages: int | None = None, stream=None,
-                     use_pdl: bool = True) -> None:
+                     use_pdl: bool = True, workspaces: Workspaces | None = None) -> None:
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]`` (graphc.ops.attention's contract, contiguous tensors only).
     Launched with the PDL attribute when ``use_pdl``; capturable once called outside capture
-    for the shape (that call allocates the workspace)."""
+    for the shape (that call allocates the workspace, from ``workspaces``: default the
+    process's shared ones, kernels/workspaces.py)."""
     import torch
 
     validate(qkv, kv, seq_lens, cache_slots, out, heads, kv_heads, head_dim)
     cfg = config(qkv.shape[0], heads, kv_heads, head_dim, kv.shape[3], chunk, stages)
     fn = _CACHE.on_device(cfg.key(), qkv.device.index)
-    partials, counters = _workspace(cfg, qkv.device)
+    partials, counters = _workspace(cfg, qkv.device, workspaces)
     if stream is None:
         stream = torch.cuda.current_stream(qkv.device)
     fn(qkv.data_ptr(), kv.data_ptr(), seq_lens.data_ptr(), cache_slots.data_ptr(), out.data_ptr(),

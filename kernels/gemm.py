@@ -86,7 +86,6 @@ from __future__ import annotations
 import functools
 import sys
 import tempfile
-import threading
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -101,6 +100,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import gemm_wide, smem_pipeline, weight_blocks
 from .compile_cache import CompileCache
+from .workspaces import SHARED, Workspaces
 from .smem_pipeline import (EVICT_FIRST, barriers_ready, block_rows_knob, first_rows_layout, on_off_knob,
                             peers_done, pipeline_stages, release_stage, tma_load, tma_load_op, w_global_layout)
 
@@ -1241,40 +1241,27 @@ def linear_ptx(m: int, k: int, n: int, epilogue: str | None = None, *, ctas: int
 
 
 # ------------------------------------------------------------------------------------------------
-# Workspace: fp32 partials + per-tile arrival counters, per (device, configuration).
+# Workspace: fp32 partials + per-tile arrival counters, per (device, configuration) and owner.
 # ------------------------------------------------------------------------------------------------
-_WORKSPACES: dict[tuple, tuple] = {}
-_WS_LOCK = threading.Lock()
-
-
-def _workspace(cfg: GemmConfig, device):
-    """(partials, counters) for one configuration on one device, allocated once.
+def _workspace(cfg: GemmConfig, device, workspaces: Workspaces | None = None):
+    """(partials, counters) for one configuration on one device, from ``workspaces`` (default:
+    the process's shared ones; kernels/workspaces.py), allocated at the first call.
 
     Counters start at zero and every launch leaves them at zero (the last CTA of a split tile
-    resets its counter), so the buffers are reused by every launch of this configuration. Two
-    launches that share them are ordered: all their accesses happen after griddepcontrol.wait,
-    i.e. after the previous kernel in the stream completed. Launches of one configuration on
-    two streams at once are not supported.
+    resets its counter), so the buffers are reused by every launch of this configuration with
+    this owner. Two launches that share them are ordered: all their accesses happen after
+    griddepcontrol.wait, i.e. after the previous kernel in the stream completed. Launches that
+    share them on two streams at once are not: give each stream's work its own ``Workspaces``.
     """
     import torch
 
-    key = (device.index if device.index is not None else torch.cuda.current_device(), cfg.key())
-    ws = _WORKSPACES.get(key)
-    if ws is not None:
-        return ws
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"linear: first call of {cfg} on {device} happened during CUDA graph capture; call "
-            "it once before capturing (warm-up) so its workspace is allocated outside the graph"
-        )
-    with _WS_LOCK:
-        ws = _WORKSPACES.get(key)
-        if ws is None:
-            partials = torch.empty(max(cfg.workspace_floats, 4), dtype=torch.float32, device=device)
-            counters = torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device)
-            ws = (partials, counters)
-            _WORKSPACES[key] = ws
-    return ws
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def make():
+        return (torch.empty(max(cfg.workspace_floats, 4), dtype=torch.float32, device=device),
+                torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device))
+
+    return (workspaces or SHARED).get(("gemm", index, cfg.key()), make, f"linear: {cfg} on {device}")
 
 
 # Every knob ``plan`` (and so ``linear``) accepts besides ``ctas``.
@@ -1422,13 +1409,14 @@ def validate(x, weight, out, epilogue: str | None = None) -> tuple[int, int, int
 
 
 def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl: bool = True,
-           ctas: int | None = None, **tuning) -> None:
+           workspaces: Workspaces | None = None, ctas: int | None = None, **tuning) -> None:
     """``out = x @ weight.T`` (bf16 in/out, fp32 accumulation), or with ``epilogue="silu_mul"``
     ``out = silu(g) * u`` where ``[g | u] = x @ weight.T`` split in halves (weight is the fused
     [gate; up] matrix). Launches on ``stream`` (default: the current stream at call time) with
     the PDL attribute when ``use_pdl``. Capturable in a CUDA graph once it has been called
     outside capture for this shape (that first call allocates the split-K workspace or loads
-    the kernel).
+    the kernel). ``workspaces``: whose split-K workspace it uses (kernels/workspaces.py; default
+    the process's shared one, which suits launches on one stream).
     ``weight`` is W [N, K] row-major or, faster, its blocks from kernels/weight_blocks.py
     (``to_blocks``), which both of ``plan``'s kernels read.
     ``ctas`` (the persistent grid; None: one CTA per SM) and ``tuning`` (``plan``'s knobs) are
@@ -1453,7 +1441,7 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
         gemm_wide.launch(cfg, x, weight, out, stream, use_pdl)
         return
     fn = _CACHE.on_device(cfg.key(), device.index)
-    partials, counters = _workspace(cfg, device)
+    partials, counters = _workspace(cfg, device, workspaces)
     fn(
         x.data_ptr(), weight.data_ptr(), out.data_ptr(), partials.data_ptr(), counters.data_ptr(),
         cuda.CUstream(stream.cuda_stream), bool(use_pdl),

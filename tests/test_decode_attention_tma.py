@@ -18,6 +18,7 @@ import torch
 from attention_cases import C, H, HD, KV, check_close, check_pdl_race, make_case, reference
 from graphc.kernels import decode_attention_tma as tma
 from graphc.kernels.decode_attention_tma import AttentionConfig
+from graphc.kernels.workspaces import SHARED
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def test_against_reference(T, maxlen, chunk, stages):
     tma.decode_attention(qkv, kv, lens, slots, again, heads=H, kv_heads=KV, head_dim=HD, chunk=chunk,
                          stages=stages)
     assert torch.equal(again, got)
-    assert all(int(ws[1].abs().sum()) == 0 for ws in tma._WORKSPACES.values())
+    assert all(int(ws[1].abs().sum()) == 0 for ws in SHARED.of("attention_tma"))
 
 
 @pytest.mark.gpu

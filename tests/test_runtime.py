@@ -513,3 +513,35 @@ def test_the_finiteness_test_counts_across_chunks(monkeypatch):
         with pytest.raises(GraphcError, match=re.escape("w: x: 2 values NaN or Inf (the first at index [1, 5], inf)")):
             _refuse_non_finite("w", "x", t)
 
+
+
+def test_every_launch_gets_its_plans_own_workspaces(monkeypatch):
+    """Two steps of one process may run on two streams at once only if their split-K kernels
+    keep their partials apart: each plan has its own kernels/workspaces.Workspaces, and every
+    launch, eager or captured, is handed its plan's (the GPU test
+    test_two_steps_run_on_two_streams_at_once runs two steps so)."""
+    import dataclasses
+
+    from graphc.capture import launch_all
+    from graphc.kernels.workspaces import SHARED
+    from graphc.ops.elementwise import EmbeddingOp
+
+    # Implementations whose launches run on the CPU too.
+    portable = {"linear": "cublas", "attn_res": "torch", "decode_attention": "torch"}
+    first, second = (graphc.build("layer_specs/tiny.yaml", batch_sizes=[2], device="cpu", progress=None,
+                                  implementations=portable) for _ in range(2))
+    assert first.plan.workspaces is not second.plan.workspaces
+    assert SHARED not in (first.plan.workspaces, second.plan.workspaces)
+    seen = []
+    torch_impl = EmbeddingOp.implementations["torch"]
+
+    def recording(op, t, w, stream, use_pdl, workspaces):
+        seen.append(workspaces)
+        torch_impl.launch(op, t, w, stream, use_pdl, workspaces)
+
+    monkeypatch.setitem(EmbeddingOp.implementations, "torch", dataclasses.replace(torch_impl, launch=recording))
+    for step in (first, second):
+        step.plan.write_inputs(2, torch.tensor([1, 2]), torch.tensor([0, 0], dtype=torch.int32),
+                               torch.tensor([0, 1], dtype=torch.int32))
+        launch_all(step.plan, 2, None)
+    assert seen == [first.plan.workspaces, second.plan.workspaces]

@@ -32,15 +32,15 @@ TMA_TRAITS = PdlTraits(waits=True, trigger="late", prologue=("kv", "seq_lens", "
 CLUSTER_TRAITS = TMA_TRAITS
 
 
-def _launch_reference(op, t, w, stream, use_pdl):
+def _launch_reference(op, t, w, stream, use_pdl, workspaces):
     op.reference(t, w)
 
 
-def _launch_triton(op, t, w, stream, use_pdl):
+def _launch_triton(op, t, w, stream, use_pdl, workspaces):
     from graphc.kernels.decode_attention import decode_attention
 
     decode_attention(t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"],
-                     heads=op.heads, kv_heads=op.kv_heads, head_dim=op.head_dim)
+                     heads=op.heads, kv_heads=op.kv_heads, head_dim=op.head_dim, workspaces=workspaces)
 
 
 class _CuteAttention:
@@ -51,10 +51,11 @@ class _CuteAttention:
     def __init__(self, module: str):
         self.module = module
 
-    def launch(self, op, t, w, stream, use_pdl):
+    def launch(self, op, t, w, stream, use_pdl, workspaces):
         importlib.import_module(self.module).decode_attention(
             t["qkv"], t["kv"], t["seq_lens"], t["cache_slots"], t["out"], heads=op.heads,
-            kv_heads=op.kv_heads, head_dim=op.head_dim, stream=stream, use_pdl=use_pdl)
+            kv_heads=op.kv_heads, head_dim=op.head_dim, stream=stream, use_pdl=use_pdl,
+            workspaces=workspaces)
 
     def variants(self, op, batch: int, sms: int, block_rows: int) -> list[tuple[str, tuple]]:
         kernel = importlib.import_module(self.module)

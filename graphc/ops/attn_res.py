@@ -34,7 +34,7 @@ def _mixing_weights(op: "AttnResOp", w: Mapping[str, torch.Tensor]):
     return w.get("key_norm", norm), w.get("query", norm)
 
 
-def _launch_cluster_kernel(op: "AttnResOp", t, w, stream, use_pdl: bool) -> None:
+def _launch_cluster_kernel(op: "AttnResOp", t, w, stream, use_pdl: bool, workspaces) -> None:
     from graphc.kernels.attn_res import attn_res
 
     key_norm, query = _mixing_weights(op, w)
@@ -51,7 +51,7 @@ def _cluster_kernel_variants(op: "AttnResOp", batch: int, sms: int, block_rows: 
     return [compiled_variant(op.hidden, op.nb, op.has_delta, op.final)]   # one for every batch
 
 
-def _launch_torch(op: "AttnResOp", t, w, stream, use_pdl: bool) -> None:
+def _launch_torch(op: "AttnResOp", t, w, stream, use_pdl: bool, workspaces) -> None:
     op.reference(t, w)
 
 

@@ -95,8 +95,10 @@ def write_output(dst: torch.Tensor, src: torch.Tensor) -> None:
 class Implementation:
     """One way to run an op on the GPU: its PDL traits and how to launch it.
 
-    ``launch(op, tensors, weights, stream, use_pdl)`` enqueues the work on ``stream``; its
-    first call (compilation, workspace allocation) happens in the warm-up, outside capture.
+    ``launch(op, tensors, weights, stream, use_pdl, workspaces)`` enqueues the work on
+    ``stream``; a split-K kernel takes its scratch memory from ``workspaces`` (the plan's own,
+    kernels/workspaces.py). Its first call (compilation, workspace allocation) happens in the
+    warm-up, outside capture.
     """
 
     name: str

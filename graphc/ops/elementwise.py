@@ -9,7 +9,7 @@ import torch
 from .base import LIBRARY_KERNEL, Implementation, Op
 
 
-def _launch_reference(op, t, w, stream, use_pdl):
+def _launch_reference(op, t, w, stream, use_pdl, workspaces):
     op.reference(t, w)
 
 

@@ -50,7 +50,7 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _launch_cublas(op: "LinearOp", t, w, stream, use_pdl: bool) -> None:
+def _launch_cublas(op: "LinearOp", t, w, stream, use_pdl: bool, workspaces) -> None:
     if is_blocked(w["weight"]):     # graphc/plan.py never binds blocks to a row-major reader
         raise GraphcError(f"{op.name}: cuBLAS reads row-major weights, but this one is stored in blocks")
     if op.epilogue is None:
@@ -70,10 +70,11 @@ def _decode_gemm_traits() -> PdlTraits:
     return PdlTraits(waits=True, trigger="early", prologue=("weight",), bypasses_l1=True)
 
 
-def _launch_decode_gemm(op: "LinearOp", t, w, stream, use_pdl: bool) -> None:
+def _launch_decode_gemm(op: "LinearOp", t, w, stream, use_pdl: bool, workspaces) -> None:
     from graphc.kernels.gemm import linear
 
-    linear(t["x"], w["weight"], t["out"], epilogue=op.epilogue, stream=stream, use_pdl=use_pdl)
+    linear(t["x"], w["weight"], t["out"], epilogue=op.epilogue, stream=stream, use_pdl=use_pdl,
+           workspaces=workspaces)
 
 
 def _decode_gemm_variants(op: "LinearOp", batch: int, sms: int, block_rows: int) -> list[tuple[str, tuple]]:
