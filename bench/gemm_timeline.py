@@ -47,7 +47,7 @@ PATCHES = [
     ("torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device))",
      f"torch.zeros(2 * cfg.tiles + {WORDS} * cfg.ctas, dtype=torch.int32, device=device))"),
     # Its own workspaces (longer counters), apart from the shipped kernel's in the same pool.
-    ('(workspaces or SHARED).get(("gemm", index', '(workspaces or SHARED).get(("gemm_timeline", index'),
+    ('workspace(workspaces, ("gemm", index', 'workspace(workspaces, ("gemm_timeline", index'),
     ("            cute.arch.griddepcontrol_launch_dependents()\n\n        tidx, _, _ = cute.arch.thread_idx()\n",
      "            cute.arch.griddepcontrol_launch_dependents()\n"
      f"        t_entry = {_T}\n\n        tidx, _, _ = cute.arch.thread_idx()\n"),

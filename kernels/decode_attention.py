@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .workspaces import SHARED, Workspaces
+from .workspaces import Workspaces, workspace
 
 # How p @ V is computed: "bf16x2" (p = hi + lo, two bf16 MMAs, 2^-17 relative), "bf16" (p rounded
 # to bf16, one MMA, 2^-9) or "fp32" (exact FMAs on CUDA cores). Benchmarks compare them.
@@ -231,8 +231,8 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
                 torch.empty(n * head_dim, device=qkv.device),
                 torch.zeros(T * kv_heads, device=qkv.device, dtype=torch.int32))
 
-    m_ws, l_ws, acc_ws, counters = (workspaces or SHARED).get(
-        ("attention_triton", qkv.device.index, T, heads, kv_heads, nsplit, head_dim), make,
+    m_ws, l_ws, acc_ws, counters = workspace(
+        workspaces, ("attention_triton", qkv.device.index, T, heads, kv_heads, nsplit, head_dim), make,
         f"decode_attention at {T} rows")
     # Any strides work (kv is [slots, 2, kv_heads, max_context, head_dim] logically); graphc's
     # cache is head-major and contiguous, so a program reads one contiguous run per K and V.

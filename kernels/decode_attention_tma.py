@@ -69,7 +69,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .compile_cache import CompileCache
-from .workspaces import SHARED, Workspaces
+from .workspaces import Workspaces, workspace
 
 # PDL traits of this kernel, read by graphc.ops.attention (DESIGN §4).
 PROLOGUE_INPUTS = ("kv", "seq_lens", "cache_slots")
@@ -607,8 +607,7 @@ def _workspace(cfg: AttentionConfig, device, workspaces: Workspaces | None = Non
         return (torch.empty(partials, dtype=torch.float32, device=device),
                 torch.zeros(cfg.rows * cfg.kv_heads, dtype=torch.int32, device=device))
 
-    return (workspaces or SHARED).get(("attention_tma", device.index, cfg.key()), make,
-                                      f"decode attention: {cfg}")
+    return workspace(workspaces, ("attention_tma", device.index, cfg.key()), make, f"decode attention: {cfg}")
 
 
 def validate(qkv, kv, seq_lens, cache_slots, out, heads: int, kv_heads: int, head_dim: int) -> None:

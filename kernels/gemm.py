@@ -100,7 +100,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import gemm_wide, smem_pipeline, weight_blocks
 from .compile_cache import CompileCache
-from .workspaces import SHARED, Workspaces
+from .workspaces import Workspaces, workspace
 from .smem_pipeline import (EVICT_FIRST, barriers_ready, block_rows_knob, first_rows_layout, on_off_knob,
                             peers_done, pipeline_stages, release_stage, tma_load, tma_load_op, w_global_layout)
 
@@ -1261,7 +1261,7 @@ def _workspace(cfg: GemmConfig, device, workspaces: Workspaces | None = None):
         return (torch.empty(max(cfg.workspace_floats, 4), dtype=torch.float32, device=device),
                 torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device))
 
-    return (workspaces or SHARED).get(("gemm", index, cfg.key()), make, f"linear: {cfg} on {device}")
+    return workspace(workspaces, ("gemm", index, cfg.key()), make, f"linear: {cfg} on {device}")
 
 
 # Every knob ``plan`` (and so ``linear``) accepts besides ``ctas``.

@@ -37,7 +37,7 @@ class Workspaces:
             return found
         import torch
 
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"{what}: first call happened during CUDA graph capture; call it once before "
                 "capturing (warm-up) so its workspace is allocated outside the graph")
@@ -55,9 +55,12 @@ class Workspaces:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ws in self._buffers.values() for t in ws)
 
-    def __len__(self) -> int:
-        return len(self._buffers)
-
 
 # The workspaces of kernels launched without an owner's (tests, benchmarks, direct calls).
 SHARED = Workspaces()
+
+
+def workspace(owner: Workspaces | None, key: tuple, make: Callable[[], tuple], what: str) -> tuple:
+    """``owner.get(key, make, what)``, from the process's SHARED workspaces when ``owner`` is
+    None. (Tested against None, not for truth: an owner is an owner from its first request on.)"""
+    return (SHARED if owner is None else owner).get(key, make, what)
