@@ -161,24 +161,29 @@ def parse_case(arg: str) -> tuple[str, int, dict]:
     return name, int(m), alternatives[0][1] if alternatives else {}
 
 
-def read_words(g, cfg):
+def read_words(g, cfg, workspaces=None):
     """(entry, waited, loop_end, end, arrived, ready, summed) in µs from the first CTA's entry,
-    the role and the SM of each CTA, of the last launch of ``cfg`` (its timer words are shared
-    by all launches)."""
+    the role and the SM of each CTA, of the last launch of ``cfg`` with ``workspaces`` (a
+    step's ``plan.workspaces``; None: the process's shared ones, as ``timeline`` launches).
+    The timer words live in the configuration's counters, shared by those launches."""
     import torch
 
-    words = g._workspace(cfg, torch.device("cuda", torch.cuda.current_device()))[1]
-    w = words[2 * cfg.tiles:].view(cfg.ctas, WORDS).cpu().long()
+    from graphc.kernels import workspaces as pool
+
+    key = ("gemm_timeline", torch.cuda.current_device(), cfg.key())
+    found = (pool.SHARED if workspaces is None else workspaces).find(key)
+    if found is None:
+        raise SystemExit(f"no instrumented launch of {cfg} ran with these workspaces: its timeline "
+                         "would read zeros (was the step routed to the instrumented module?)")
+    w = found[1][2 * cfg.tiles:].view(cfg.ctas, WORDS).cpu().long()
     t = (w[:, :7] - w[:, 0].min()) % (1 << 32)              # globaltimer_lo wraps every 4.3 s
     return tuple(t[:, i].float() / 1000 for i in range(7)), w[:, 7], w[:, 8]
 
 
-def report(g, cfg, label: str, verbose: bool = True) -> dict:
-    """Print the last launch's timeline of ``cfg``; returns the medians and spans printed, and
-    the per-CTA times."""
-    import torch
-
-    (entry, waited, loop_end, end, arrived, ready, summed), role, sm = read_words(g, cfg)
+def report(g, cfg, label: str, verbose: bool = True, workspaces=None) -> dict:
+    """Print the last launch's timeline of ``cfg`` (with ``workspaces``: see ``read_words``);
+    returns the medians and spans printed, and the per-CTA times."""
+    (entry, waited, loop_end, end, arrived, ready, summed), role, sm = read_words(g, cfg, workspaces)
     stream = loop_end - waited
     summary = {"wait_passed_max": float(waited.max()), "streaming_median": float(stream.median()),
                "streaming_max": float(stream.max()), "end_max": float(end.max()),

@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemm_timeline import ROOT, bench_shapes, instrumented_module, report, timeline  # noqa: E402
+from gemm_timeline import ROOT, bench_shapes, instrumented_module, report, timeline, weight_order  # noqa: E402
 
 
 def route_to_instrumented(g, targets: set[tuple]) -> None:
@@ -85,7 +85,9 @@ def main() -> None:
     in_step = {}
     for name in args.shapes:
         k, n, e = shapes[name]
-        in_step[name] = report(g, g.GemmConfig(b, k, n, e, sms), f"IN THE STEP (last layer) {name}:{b}")
+        _, order = weight_order(g, {}, b, k, n, e, sms)      # the order the build stored them in
+        in_step[name] = report(g, g.GemmConfig(b, k, n, e, sms, **order),
+                               f"IN THE STEP (last layer) {name}:{b}", workspaces=step.plan.workspaces)
     del step
     torch.cuda.empty_cache()
     alone = {}

@@ -598,7 +598,9 @@ class _Launcher:
     2 x float, the stream handle, a bool), later calls only update the ctypes values in place
     and hand their addresses to the device executor. Any surprise in that check keeps the
     generic path. The first call of a variant always takes the generic path (it loads the
-    module onto the device).
+    module onto the device). The launcher holds only the cache key: the compiled function and
+    its per-device executors stay the cache's (after ``clear_memory`` a call reloads them, so a
+    warm-up must come before the next capture).
     """
 
     _KINDS = (ctypes.c_int64,) * 9 + (ctypes.c_int32,) * 4 + (ctypes.c_float,) * 2 + (ctypes.c_void_p, ctypes.c_bool)
@@ -606,13 +608,13 @@ class _Launcher:
 
     def __init__(self, key: tuple):
         self.key = key
-        self.fn = _CACHE.get(key)
         self.fast: bool | None = None
         self._tls = threading.local()
 
     def _layout_matches(self, args) -> bool:
+        fn = _CACHE.get(self.key)
         try:
-            exe, _ = self.fn.generate_execution_args(*args)
+            exe, _ = fn.generate_execution_args(*args)
         except Exception:
             return False
         if len(exe) != len(self._KINDS):
@@ -623,7 +625,7 @@ class _Launcher:
             value = getattr(exe[i], "_cutlass_keepalive", None)
             if type(value) is not kind:
                 return False
-        return hasattr(self.fn, "to")
+        return hasattr(fn, "to")
 
     def _block(self):
         block = getattr(self._tls, "block", None)

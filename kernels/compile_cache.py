@@ -172,6 +172,8 @@ class CompileCache:
         return exe
 
     def clear_memory(self) -> None:
+        """Forget the in-memory functions and executors (the disk cache stays). The next call
+        of each kernel loads it again: warm up before capturing after this."""
         self._memory.clear()
         self._executors.clear()
 

@@ -233,7 +233,7 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
 
     m_ws, l_ws, acc_ws, counters = workspace(
         workspaces, ("attention_triton", qkv.device.index, T, heads, kv_heads, nsplit, head_dim), make,
-        f"decode_attention at {T} rows")
+        lambda: f"decode_attention at {T} rows")
     # Any strides work (kv is [slots, 2, kv_heads, max_context, head_dim] logically); graphc's
     # cache is head-major and contiguous, so a program reads one contiguous run per K and V.
     _split_kv[(T, kv_heads, nsplit)](

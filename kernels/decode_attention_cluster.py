@@ -539,8 +539,10 @@ def decode_attention(qkv, kv, seq_lens, cache_slots, out, *, heads: int, kv_head
     """Append each row's K/V at ``seq_lens[t]`` of slot ``cache_slots[t]`` and attend over
     positions ``0..=seq_lens[t]`` (graphc.ops.attention's contract, contiguous tensors only).
     Launched with the PDL attribute when ``use_pdl``; needs no workspace, so it is capturable
-    from its first call (``workspaces`` is taken, and unused, for the TMA kernel's signature). ``timeline`` (bench only): an int64 tensor of at least
-    timeline_words(rows, kv_heads) elements; the kernel compiled with stamps writes them there."""
+    from its first call. ``workspaces`` is taken and unused, so that graphc.ops.attention
+    calls this and the TMA kernel alike. ``timeline`` (bench only): an int64 tensor of at
+    least timeline_words(rows, kv_heads) elements; the kernel compiled with stamps writes them
+    there."""
     import torch
 
     from .decode_attention_tma import validate

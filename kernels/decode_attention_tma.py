@@ -607,7 +607,8 @@ def _workspace(cfg: AttentionConfig, device, workspaces: Workspaces | None = Non
         return (torch.empty(partials, dtype=torch.float32, device=device),
                 torch.zeros(cfg.rows * cfg.kv_heads, dtype=torch.int32, device=device))
 
-    return workspace(workspaces, ("attention_tma", device.index, cfg.key()), make, f"decode attention: {cfg}")
+    return workspace(workspaces, ("attention_tma", device.index, cfg.key()), make,
+                     lambda: f"decode attention: {cfg}")
 
 
 def validate(qkv, kv, seq_lens, cache_slots, out, heads: int, kv_heads: int, head_dim: int) -> None:

@@ -1261,7 +1261,7 @@ def _workspace(cfg: GemmConfig, device, workspaces: Workspaces | None = None):
         return (torch.empty(max(cfg.workspace_floats, 4), dtype=torch.float32, device=device),
                 torch.zeros(2 * cfg.tiles, dtype=torch.int32, device=device))
 
-    return workspace(workspaces, ("gemm", index, cfg.key()), make, f"linear: {cfg} on {device}")
+    return workspace(workspaces, ("gemm", index, cfg.key()), make, lambda: f"linear: {cfg} on {device}")
 
 
 # Every knob ``plan`` (and so ``linear``) accepts besides ``ctas``.

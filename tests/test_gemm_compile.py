@@ -622,6 +622,8 @@ def test_timeline_instrumentation_still_applies():
     src = timeline.instrumented_source()
     ast.parse(src)
     assert src.count("globaltimer_lo()") == 8 and 'CompileCache("gemm_timeline"' in src
+    # Its workspaces (which hold the timer words) are apart from the shipped kernel's.
+    assert '("gemm_timeline", index' in src and '("gemm", index' not in src
 
 
 # ------------------------------------------------------------------------------------------------

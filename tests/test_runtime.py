@@ -514,7 +514,6 @@ def test_the_finiteness_test_counts_across_chunks(monkeypatch):
             _refuse_non_finite("w", "x", t)
 
 
-
 def test_every_launch_gets_its_plans_own_workspaces(monkeypatch):
     """Two steps of one process may run on two streams at once only if their split-K kernels
     keep their partials apart: each plan has its own kernels/workspaces.Workspaces, and every

@@ -283,6 +283,44 @@ def test_the_same_kernels_serve_steps_on_two_gpus_in_one_process():
         assert torch.isfinite(logits[0].float()).all() and torch.equal(logits[0], logits[1])
 
 
+def workspace_addresses(workspaces, kernels=("gemm", "attention_tma")):
+    """The addresses of the tensors ``workspaces`` holds for ``kernels`` (each must hold some)."""
+    assert all(workspaces.of(k) for k in kernels), [k for k in kernels if not workspaces.of(k)]
+    return {t.data_ptr() for k in kernels for ws in workspaces.of(k) for t in ws}
+
+
+def replay_on_two_streams(steps, rows: int, seed: int) -> None:
+    """Each of the two ``steps`` (captured at ``rows``) called once alone, then both replayed 25
+    times on two streams at once: every replay gives the logits its step gave alone, bit for
+    bit. Each call rewrites the same KV entries with the same values, so every replay's logits
+    are the first's. Calls are enqueued alternately, so one step's replay runs while the
+    other's is enqueued; validate=False keeps the host from synchronising between them."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    try:
+        for step in steps:
+            step.reset()
+            tokens = torch.randint(0, 163840, (rows,), generator=gen).cuda()
+            lens = torch.randint(0, 600, (rows,), generator=gen, dtype=torch.int32).cuda()
+            cases.append((step, tokens, lens, step(tokens, lens).clone()))
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        for stream in streams:
+            stream.wait_stream(torch.cuda.current_stream())
+        got = [[], []]
+        for _ in range(25):
+            for stream, (step, tokens, lens, _), out in zip(streams, cases, got):
+                with torch.cuda.stream(stream):
+                    out.append(step(tokens, lens, validate=False).clone())
+        torch.cuda.synchronize()
+        for (step, _, _, alone), out in zip(cases, got):
+            same = [torch.equal(logits, alone) for logits in out]
+            assert all(same), (step.batch_sizes, same)
+    finally:
+        torch.cuda.synchronize()
+        for step in steps:
+            step.reset()
+
+
 def test_two_steps_run_on_two_streams_at_once(step8l):
     """Two builds of one process (sharing one set of weights), replayed on two streams at once,
     give the logits each gives alone, bit for bit: each plan keeps its split-K GEMMs' and TMA
@@ -290,34 +328,24 @@ def test_two_steps_run_on_two_streams_at_once(step8l):
     one shared workspace their launches would mix partials, or count each other's arrivals."""
     other = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[32], weights=step8l.plan.weights,
                          progress=None)
+    # At 32 rows every linear runs the decode GEMM (and splits K) and the attention is the TMA one.
+    assert not workspace_addresses(step8l.plan.workspaces) & workspace_addresses(other.plan.workspaces)
+    replay_on_two_streams([step8l, other], 32, seed=11)
 
-    def addresses(workspaces):
-        kernels = ("gemm", "attention_tma")
-        assert all(workspaces.of(k) for k in kernels)       # the 32-row step splits both
-        return {t.data_ptr() for k in kernels for ws in workspaces.of(k) for t in ws}
 
-    assert not addresses(step8l.plan.workspaces) & addresses(other.plan.workspaces)
-    gen = torch.Generator().manual_seed(11)
-    cases = []
-    for step in (step8l, other):
-        step.reset()
-        tokens = torch.randint(0, 163840, (32,), generator=gen).cuda()
-        lens = torch.randint(0, 600, (32,), generator=gen, dtype=torch.int32).cuda()
-        cases.append((step, tokens, lens, step(tokens, lens).clone()))
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for stream in streams:
-        stream.wait_stream(torch.cuda.current_stream())
-    # Each call rewrites the same KV entries with the same values, so every replay's logits are
-    # the first's. Enqueued alternately: one step's replay runs while the other's is enqueued.
-    got = [[], []]
-    for _ in range(25):
-        for stream, (step, tokens, lens, _), out in zip(streams, cases, got):
-            with torch.cuda.stream(stream):
-                out.append(step(tokens, lens).clone())
-    torch.cuda.synchronize()
-    for (step, _, _, alone), out in zip(cases, got):
-        assert all(torch.equal(logits, alone) for logits in out), step.batch_sizes
-    step8l.reset()
+def test_two_steps_on_cublas_run_on_two_streams_at_once():
+    """The same at 128 rows, where every linear runs cuBLAS (DECODE_GEMM_CROSSOVER is 64 for all
+    of them): each graph's cuBLAS kernels use a workspace of that graph's own (torch clears its
+    cuBLAS workspaces when a capture begins, so the capture allocates them in its graph's pool),
+    so two steps' cuBLAS launches on two streams at once do not share scratch memory either."""
+    first = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[128], progress=None)
+    second = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[128], weights=first.plan.weights,
+                          progress=None)
+    for step in (first, second):
+        assert step.schedule.implementation_summary()["linear"] == "cublas"
+    assert not (workspace_addresses(first.plan.workspaces, ("attention_tma",))
+                & workspace_addresses(second.plan.workspaces, ("attention_tma",)))
+    replay_on_two_streams([first, second], 128, seed=12)
 
 
 def test_weight_reload_reaches_the_captured_graphs(tmp_path):
