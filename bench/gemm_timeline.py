@@ -183,6 +183,8 @@ def read_words(g, cfg, workspaces=None):
 def report(g, cfg, label: str, verbose: bool = True, workspaces=None) -> dict:
     """Print the last launch's timeline of ``cfg`` (with ``workspaces``: see ``read_words``);
     returns the medians and spans printed, and the per-CTA times."""
+    import torch
+
     (entry, waited, loop_end, end, arrived, ready, summed), role, sm = read_words(g, cfg, workspaces)
     stream = loop_end - waited
     summary = {"wait_passed_max": float(waited.max()), "streaming_median": float(stream.median()),

@@ -33,6 +33,9 @@ class CapturedGraph:
     memory_bytes: int
     kernel_nodes: int
     pdl_edges: int                    # programmatic edges found in the captured graph
+    # What the graph was captured on; held so that no later stream takes its address (and
+    # so its cuBLAS workspace) while the graph lives. graphc/capture_stream.py.
+    capture_stream: object = None
     stats: dict = field(default_factory=dict)
 
     def replay(self) -> None:
@@ -94,7 +97,7 @@ def capture_one(plan: Plan, batch: int, pool, edge_override=None,
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     g = torch.cuda.CUDAGraph(keep_graph=True)
-    stream = torch.cuda.Stream()
+    capture_stream = plan.capture_stream()      # the plan's own: its cuBLAS workspace too
     created: list[set[int]] = []       # graph nodes enqueued by each kernel of the schedule
     seen: set[int] = set()
 
@@ -103,7 +106,7 @@ def capture_one(plan: Plan, batch: int, pool, edge_override=None,
         created.append(nodes - seen)
         seen.update(nodes)
 
-    with torch.cuda.graph(g, pool=pool, stream=stream):
+    with torch.cuda.graph(g, pool=pool, stream=capture_stream.stream):
         # Entering the capture empties the allocator's cache: measure from here.
         reserved = torch.cuda.memory_reserved()
         current = torch.cuda.current_stream()
@@ -115,7 +118,7 @@ def capture_one(plan: Plan, batch: int, pool, edge_override=None,
     capture_s = time.perf_counter() - t0
     found = check_programmatic_edges(schedule, edges, created)
     return CapturedGraph(batch, g, capture_s, torch.cuda.memory_reserved() - reserved,
-                         edges.kernel_nodes, found)
+                         edges.kernel_nodes, found, capture_stream)
 
 
 def check_programmatic_edges(schedule: Schedule, edges, created: list[set[int]]) -> int:

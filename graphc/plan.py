@@ -53,7 +53,17 @@ class Plan:
         # The split-K kernels' scratch memory, this plan's own: two steps of one process may
         # then be replayed on two streams at once without mixing each other's partials.
         self.workspaces = Workspaces()
+        self._capture_stream = None
         self._bindings: dict[int, list[Binding]] = {}
+
+    def capture_stream(self):
+        """The stream this plan's graphs are captured on (graphc/capture_stream.py: it keeps
+        their cuBLAS workspace apart from every other plan's), created on first use."""
+        if self._capture_stream is None:
+            from .capture_stream import CaptureStream
+
+            self._capture_stream = CaptureStream(self.device)
+        return self._capture_stream
 
     @property
     def max_sizes(self) -> dict[str, int]:

@@ -177,6 +177,37 @@ def test_chain_timeline_instrumentation_compiles():
     assert pf[22] not in pf[23:]
 
 
+def test_gemm_timeline_reads_the_words_of_the_workspaces_it_is_given(monkeypatch, capsys):
+    """report() reads the timer words of an instrumented launch from the pool it is handed (a
+    step's plan.workspaces), in µs from the first CTA's entry, and refuses a pool with no such
+    launch rather than print a timeline of zeros."""
+    import types
+
+    import torch
+
+    from graphc.kernels.workspaces import Workspaces
+
+    timeline = _load("gemm_timeline")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cfg = types.SimpleNamespace(tiles=3, ctas=2, publish_first=0, key=lambda: ("cfg",))
+    base = 5_000_000
+    # CTA 0: entry, wait passed, last k-block, end, arrived, ready, summed (ns), role, SM.
+    words = [[base, base + 2000, base + 30000, base + 33000, base + 30500, base + 31000, base + 32000, 2, 7],
+             [base + 1000, base + 2500, base + 28000, base + 29000, base + 28400, base + 28900, 0, 1, 9]]
+    counters = torch.tensor([0] * (2 * cfg.tiles) + sum(words, []), dtype=torch.int64)
+    pool = Workspaces()
+    pool.get(("gemm_timeline", 0, cfg.key()), lambda: (torch.empty(4), counters), lambda: "timeline words")
+
+    summary = timeline.report(None, cfg, "x:2", workspaces=pool)
+    assert summary["wait_passed_max"] == 2.5 and summary["end_max"] == 33.0
+    assert summary["wait_to_end"] == 31.0 and summary["entries_after_wait"] == 0
+    assert summary["per_cta"]["sm"] == [7, 9] and summary["per_cta"]["role"] == [2, 1]
+    assert summary["streaming_max"] == 28.0                  # CTA 0: 30 - 2 us
+    assert "latest ends" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="would read zeros"):
+        timeline.report(None, cfg, "x:2", workspaces=Workspaces())
+
+
 def test_floor_bandwidth_is_fixed_for_the_h200_and_measured_elsewhere():
     from graphc.errors import GraphcError
     from graphc.floor import floor_bandwidth

@@ -333,19 +333,36 @@ def test_two_steps_run_on_two_streams_at_once(step8l):
     replay_on_two_streams([step8l, other], 32, seed=11)
 
 
-def test_two_steps_on_cublas_run_on_two_streams_at_once():
+def test_two_steps_on_cublas_run_on_two_streams_at_once(monkeypatch):
     """The same at 128 rows, where every linear runs cuBLAS (DECODE_GEMM_CROSSOVER is 64 for all
-    of them): each graph's cuBLAS kernels use a workspace of that graph's own (torch clears its
-    cuBLAS workspaces when a capture begins, so the capture allocates them in its graph's pool),
-    so two steps' cuBLAS launches on two streams at once do not share scratch memory either."""
-    first = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[128], progress=None)
-    second = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[128], weights=first.plan.weights,
-                          progress=None)
+    of them) and down splits K through cuBLAS's workspace: torch keeps that workspace per
+    stream, and each plan captures on a stream of its own (graphc/capture_stream.py). Both
+    builds here get one and the same stream from every ``torch.cuda.Stream()``, as two builds
+    do when torch's 32-stream pool comes round: captured on pooled streams, their down GEMMs
+    would share one workspace (bench/cublas_shared_workspace.py) and mix partials."""
+    pooled = torch.cuda.Stream()
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "Stream", lambda *args, **kwargs: pooled)
+        first = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[128], progress=None)
+        second = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[128],
+                              weights=first.plan.weights, progress=None)
     for step in (first, second):
         assert step.schedule.implementation_summary()["linear"] == "cublas"
+    streams = [step.graphs[128].capture_stream.stream.cuda_stream for step in (first, second)]
+    assert streams[0] != streams[1] and pooled.cuda_stream not in streams
     assert not (workspace_addresses(first.plan.workspaces, ("attention_tma",))
                 & workspace_addresses(second.plan.workspaces, ("attention_tma",)))
     replay_on_two_streams([first, second], 128, seed=12)
+
+
+def test_each_plan_captures_its_graphs_on_a_stream_of_its_own():
+    """One stream per plan, outside torch's pool, held by each graph captured on it."""
+    steps = [graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], progress=None) for _ in range(2)]
+    pooled = {torch.cuda.Stream().cuda_stream for _ in range(32)}
+    streams = [{g.capture_stream.stream.cuda_stream for g in step.graphs.values()} for step in steps]
+    assert all(len(s) == 1 for s in streams) and not streams[0] & streams[1]
+    assert not (streams[0] | streams[1]) & pooled
+    assert all(g.capture_stream is step.plan.capture_stream() for step in steps for g in step.graphs.values())
 
 
 def test_weight_reload_reaches_the_captured_graphs(tmp_path):
