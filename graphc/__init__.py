@@ -59,4 +59,25 @@ def build(*args, **kwargs):
     """
     from .runtime import build as _build
 
+    _refuse_arguments_it_does_not_take(_build, args, kwargs)
     return _build(*args, **kwargs)
+
+
+def _refuse_arguments_it_does_not_take(function, args, kwargs) -> None:
+    """A misspelt keyword (``batch_size=``) or one positional too many is a GraphcError naming
+    what was meant, before any work, rather than Python's bare TypeError."""
+    import inspect
+
+    from .errors import GraphcTypeError, did_you_mean
+
+    names = list(inspect.signature(function).parameters)
+    for name in kwargs:
+        if name not in names:
+            raise GraphcTypeError(f"build() takes no argument {name!r}{did_you_mean(name, names)}; "
+                                  f"it takes {', '.join(names)}")
+    if len(args) > len(names):
+        raise GraphcTypeError(f"build() takes at most {len(names)} arguments ({', '.join(names)}), "
+                              f"found {len(args)}")
+    twice = [n for n in names[:len(args)] if n in kwargs]
+    if twice:
+        raise GraphcTypeError(f"build() was given {twice[0]!r} both by position and by name")

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import GraphcError      # SpecError too (its subclass): the spec module loads torch
+from .errors import GraphcError, did_you_mean      # SpecError too (its subclass): the spec module loads torch
 
 BUILD_OUTPUTS = ("graph.json", "schedule.txt", "graph.svg", "schedule.html")
 SMALL_MODEL_BYTES = 512 << 20     # reference step runs by default below this weight size
@@ -382,11 +382,7 @@ def cmd_inspect(args) -> int:
     spec, graph, schedule = _front(args.spec, batch=args.batch)
     if args.node is not None:
         if args.node not in graph:
-            import difflib
-
-            near = difflib.get_close_matches(args.node, list(graph.nodes), n=3)
-            raise GraphcError(f"no node {args.node!r} in {args.spec}"
-                              + (f" (did you mean {', '.join(near)}?)" if near else ""))
+            raise GraphcError(f"no node {args.node!r} in {args.spec}{did_you_mean(args.node, graph.nodes)}")
         _say(describe_node(graph, args.node))
         k = schedule.kernel(args.node)
         _say(f"  kernel #{k.index}: {k.impl}, {k.edge} edge: {k.reason}")

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import networkx as nx
 
-from .errors import GraphcError
+from .errors import GraphcError, did_you_mean
 from .graph import ops_in_order
 from .ops.base import Op, PdlTraits
 
@@ -265,11 +265,8 @@ def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None 
     known = {op.name for op in ops} | {op.kind for op in ops}
     unknown = sorted(set(chosen) - known)
     if unknown:
-        import difflib
-
-        near = difflib.get_close_matches(unknown[0], sorted(known), n=3)
         raise GraphcError(f"implementations: {', '.join(map(repr, unknown))} is neither an op kind "
-                          f"nor a node of this graph" + (f" (did you mean {', '.join(near)}?)" if near else ""))
+                          f"nor a node of this graph{did_you_mean(unknown[0], sorted(known))}")
     kernels: list[Launch] = []
     producer: dict[str, int] = {}
     for i, op in enumerate(ops):

@@ -175,6 +175,27 @@ def test_build_refuses_mistyped_arguments_before_any_work(kwargs, message, monke
         graphc.build("layer_specs/tiny.yaml", [1], device="cpu", **{"progress": None, **kwargs})
 
 
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((), {"batch_size": [1]}, r"build\(\) takes no argument 'batch_size' \(did you mean batch_sizes\?\); "
+                              r"it takes spec, batch_sizes, weights, device"),
+    ((), {"frobnicate": 1}, r"build\(\) takes no argument 'frobnicate'; it takes spec"),
+    (([1], None, "cpu"), {}, r"build\(\) was given 'device' both by position and by name"),
+    (tuple(range(12)), {}, r"build\(\) takes at most 11 arguments \(spec, .*\), found 13"),
+])
+def test_build_names_the_argument_a_misspelt_keyword_meant(args, kwargs, message, monkeypatch):
+    """Python would say only "unexpected keyword argument"; graphc names the argument meant, as a
+    GraphcError that is still a TypeError, before any work."""
+    import graphc.runtime
+
+    def work(*a, **k):
+        raise AssertionError("the build began its work before checking its arguments")
+
+    monkeypatch.setattr(graphc.runtime, "load_spec", work)
+    with pytest.raises(GraphcError, match=message) as refused:
+        graphc.build("layer_specs/tiny.yaml", *args, device="cpu", **kwargs)
+    assert isinstance(refused.value, TypeError)
+
+
 def test_a_weights_file_this_user_cannot_read_is_named_as_such(tmp_path, monkeypatch, step):
     path = tmp_path / "w.safetensors"
     path.write_bytes(b"\xff" * 64)
