@@ -340,9 +340,12 @@ def test_two_steps_on_cublas_run_on_two_streams_at_once(monkeypatch):
     builds here get one and the same stream from every ``torch.cuda.Stream()``, as two builds
     do when torch's 32-stream pool comes round: captured on pooled streams, their down GEMMs
     would share one workspace (bench/cublas_shared_workspace.py) and mix partials."""
-    pooled = torch.cuda.Stream()
+    pooled, make_stream = torch.cuda.Stream(), torch.cuda.Stream
     with monkeypatch.context() as m:
-        m.setattr(torch.cuda, "Stream", lambda *args, **kwargs: pooled)
+        # Only a new stream asked for (no arguments) is the pooled one: torch.cuda.current_stream()
+        # builds its answer with torch.cuda.Stream(stream_id=...), which must stay the real one.
+        m.setattr(torch.cuda, "Stream", lambda *args, **kwargs: make_stream(*args, **kwargs)
+                  if args or kwargs else pooled)
         first = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[128], progress=None)
         second = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[128],
                               weights=first.plan.weights, progress=None)
