@@ -64,20 +64,19 @@ def build(*args, **kwargs):
 
 
 def _refuse_arguments_it_does_not_take(function, args, kwargs) -> None:
-    """A misspelt keyword (``batch_size=``) or one positional too many is a GraphcError naming
-    what was meant, before any work, rather than Python's bare TypeError."""
+    """A misspelt keyword (``batch_size=``), one positional too many or one given twice is a
+    GraphcError, before any work: for a misspelt keyword it names the argument meant."""
     import inspect
 
     from .errors import GraphcTypeError, did_you_mean
 
-    names = list(inspect.signature(function).parameters)
+    signature = inspect.signature(function)
+    names = list(signature.parameters)
     for name in kwargs:
         if name not in names:
             raise GraphcTypeError(f"build() takes no argument {name!r}{did_you_mean(name, names)}; "
                                   f"it takes {', '.join(names)}")
-    if len(args) > len(names):
-        raise GraphcTypeError(f"build() takes at most {len(names)} arguments ({', '.join(names)}), "
-                              f"found {len(args)}")
-    twice = [n for n in names[:len(args)] if n in kwargs]
-    if twice:
-        raise GraphcTypeError(f"build() was given {twice[0]!r} both by position and by name")
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as refused:
+        raise GraphcTypeError(f"build(): {refused}; it takes {', '.join(names)}") from None
