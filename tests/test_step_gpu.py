@@ -338,8 +338,10 @@ def test_two_steps_on_cublas_run_on_two_streams_at_once(monkeypatch):
     of them) and down splits K through cuBLAS's workspace: torch keeps that workspace per
     stream, and each plan captures on a stream of its own (graphc/capture_stream.py). Both
     builds here get one and the same stream from every ``torch.cuda.Stream()``, as two builds
-    do when torch's 32-stream pool comes round: captured on pooled streams, their down GEMMs
-    would share one workspace (bench/cublas_shared_workspace.py) and mix partials."""
+    do when torch's 32-stream pool comes round: captured on pooled streams, their cuBLAS GEMMs
+    would share one workspace (bench/cublas_shared_workspace.py: down mixes partials) and, with
+    the per-plan stream reverted, these two steps' concurrent replays never finish (a GPU hang;
+    bench/step_notes.md, session 35)."""
     pooled, make_stream = torch.cuda.Stream(), torch.cuda.Stream
     with monkeypatch.context() as m:
         # Only a new stream asked for (no arguments) is the pooled one: torch.cuda.current_stream()
