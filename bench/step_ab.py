@@ -15,7 +15,8 @@ shipped defaults ('shipped'). ``attention.KNOB`` sets a tiling argument of the T
 default) for
 every attention call it makes, ``cluster.KNOB`` one of the cluster attention
 (kernels/decode_attention_cluster.py: trigger_at). ``impl.KIND=NAME`` builds the variant with implementation NAME
-for the op kind KIND (``graphc.build``'s ``implementations``); ``build.block_weights=0`` builds it with
+for the op kind KIND (``graphc.build``'s ``implementations``; a KIND with a dot is a role, e.g.
+``impl.mlp.gate_up=cute``: every node of it); ``build.block_weights=0`` builds it with
 every weight row-major (``graphc.build``'s ``block_weights``; the decode GEMM reads the weights it alone
 reads in 64 x 64 blocks by default), ``build.block_rows=16`` with those blocks of 16 rows
 (``graphc.build``'s ``block_rows``). Variants with only knobs share the shipped step's weights; one
@@ -77,6 +78,23 @@ def parse_variant(text: str) -> tuple[str, dict, set | None, dict, dict]:
             knobs[knob] = int(value)
     roles = set(filter(None, role_text.split(","))) or None
     return name, knobs, roles, implementations, options
+
+
+def by_node(implementations: dict, graph) -> dict:
+    """``graphc.build``'s ``implementations`` for a variant's ``impl.`` settings: an op kind as it
+    is, a role (a name with a dot, e.g. ``mlp.gate_up``) as every node of that role."""
+    from step_breakdown import role
+
+    out = {}
+    for key, impl in implementations.items():
+        if "." not in key:
+            out[key] = impl
+            continue
+        nodes = [node for node in graph.nodes if role(node) == key]
+        if not nodes:
+            raise SystemExit(f"impl.{key}: no node of role {key!r} in this spec")
+        out.update(dict.fromkeys(nodes, impl))
+    return out
 
 
 @contextlib.contextmanager
@@ -141,7 +159,8 @@ def main(argv=None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
     spec = load_spec(args.spec)
-    shapes = weight_shapes(build_graph(spec))
+    graph = build_graph(spec)
+    shapes = weight_shapes(graph)
     weights = Weights.random(shapes, seed=0, device="cuda")
     role_of_weight = {t.data_ptr(): role(name.rsplit(".", 1)[0]) for name, t in weights.tensors.items()}
     steps = {SHIPPED: build(spec, batch_sizes, weights=weights, progress=None)}
@@ -149,7 +168,7 @@ def main(argv=None) -> int:
         own = Weights.random(shapes, seed=0, device="cuda") if implementations or options else weights
         with step_knobs(knobs, roles, role_of_weight):
             steps[name] = build(spec, batch_sizes, weights=own, progress=None,
-                                implementations=implementations or None, **options)
+                                implementations=by_node(implementations, graph) or None, **options)
 
     floor_rates = device_floor_bandwidth()
     print(f"# {torch.cuda.get_device_name()}: {args.spec}, {args.rounds} rounds of the median of "

@@ -1294,12 +1294,10 @@ def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAUL
     if wide not in (0, 1):
         raise ValueError(f"wide={wide} unsupported: 0 or 1")
     if wide:
-        if epilogue is not None:
-            raise ValueError(f"wide=1 unsupported with epilogue={epilogue!r} (plain shapes only)")
         if stream_k_knobs:
             raise ValueError(f"{', '.join(sorted(stream_k_knobs))}: knobs of the stream-K kernel, not of wide=1")
         check_shape(m, k, n, epilogue)
-        return gemm_wide.WideGemmConfig(m, k, n, ctas, **tuning)
+        return gemm_wide.WideGemmConfig(m, k, n, ctas, epilogue, **tuning)
     if wide_only_knobs:
         raise ValueError(f"{', '.join(sorted(wide_only_knobs))}: knobs of wide=1 only")
     return GemmConfig(m, k, n, epilogue, ctas, **tuning)

@@ -1,6 +1,7 @@
 """The decode GEMM at many batch rows: whole-K output tiles, sized so that one wave fills the SMs.
 
-``y[M, N] = x[M, K] @ W[N, K]^T`` (bf16 in and out, fp32 accumulation), plain epilogue only.
+``y[M, N] = x[M, K] @ W[N, K]^T`` (bf16 in and out, fp32 accumulation), or with ``silu_mul``
+``y = silu(g) * u`` where ``[g | u] = x @ W^T`` (W = [gate; up], N / 2 output columns).
 ``kernels/gemm.py`` computes ``y^T = W x^T`` (W rows on the wgmma M side, in 64-row steps) and
 splits K between CTAs (stream-K), which is what streams weights fastest at a few batch rows.
 From ~120-128 rows the problem has enough work per W tile for another trade, the one cuBLAS makes
@@ -49,9 +50,13 @@ Structure
   halves overlap by one block, loaded by both): 1-4% faster than rows without a pair
   (bench/gemm_notes.md §34), tied to 2% faster with one at 256 rows, 9% slower at down's 128
   (§35). ``WideGemmConfig.w_boxes_of_stage`` says which.
-* **Epilogue**: fp32 accumulators rounded once to bf16 and stored straight from the fragment,
-  two adjacent y columns per 4-byte store, batch rows >= M (and rows another warpgroup owns)
-  masked.
+* **silu_mul**: a tile's n_tile W rows are n_tile / 2 gate rows and the matching n_tile / 2 up
+  rows (``I`` = N / 2 apart in W), loaded as two boxes (or their 16-row pieces) into the two
+  halves of the stage's W buffer, so accumulator column c is a gate and c + n_tile / 2 its up
+  (in wgmma's fragment the same thread's accumulator n_tile / 4 further on).
+* **Epilogue**: fp32 accumulators (with silu_mul, ``silu(g) * u`` of them in fp32, as
+  kernels/gemm.py) rounded once to bf16 and stored straight from the fragment, two adjacent y
+  columns per 4-byte store, batch rows >= M (and rows another warpgroup owns) masked.
 
 PDL (DESIGN §4): the same contract as kernels/gemm.py: ``launch_dependents`` at entry (one wave,
 so a dependent cannot take an SM from one of our CTAs), the first stages' W loads before
@@ -85,6 +90,7 @@ WAITS = True
 TRIGGER = "early"
 
 TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_trim", "w_blocked", "w_block_rows")
+EPILOGUES = (None, "silu_mul")
 BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
 WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
 N_TILE_STEP = 16           # wgmma N steps of 8; CuTe DSL 4.8.1 needs an even number of 8-row atoms
@@ -132,25 +138,40 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class WideGemmConfig:
-    """Every static decision for one (M, K, N, ctas[, batch_tile, n_tile, stages, cluster, x_trim])."""
+def n_tile_step(epilogue: str | None) -> int:
+    """What n_tile must be a multiple of: N_TILE_STEP, or with silu_mul twice that (each half,
+    gate and up, is a box of whole N_TILE_STEP-row pieces)."""
+    return 2 * N_TILE_STEP if epilogue == "silu_mul" else N_TILE_STEP
 
-    def __init__(self, m: int, k: int, n: int, ctas: int, *, batch_tile: int | None = None,
-                 n_tile: int | None = None, stages: int | None = None, cluster: int | None = None,
-                 x_trim: int | None = None, w_blocked: int | None = None, w_block_rows: int | None = None):
-        if not (1 <= m and k > 0 and k % BLOCK_K == 0 and n > 0 and n % N_TILE_STEP == 0):
+
+class WideGemmConfig:
+    """Every static decision for one (M, K, N, epilogue, ctas[, batch_tile, n_tile, stages, cluster,
+    x_trim, w_blocked, w_block_rows])."""
+
+    def __init__(self, m: int, k: int, n: int, ctas: int, epilogue: str | None = None, *,
+                 batch_tile: int | None = None, n_tile: int | None = None, stages: int | None = None,
+                 cluster: int | None = None, x_trim: int | None = None, w_blocked: int | None = None,
+                 w_block_rows: int | None = None):
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"wide decode GEMM: epilogue={epilogue!r} unsupported: one of {EPILOGUES}")
+        step = n_tile_step(epilogue)
+        if not (1 <= m and k > 0 and k % BLOCK_K == 0 and n > 0 and n % step == 0):
             raise ValueError(f"wide decode GEMM: M={m}, K={k}, N={n} unsupported (K a multiple of "
-                             f"{BLOCK_K}, N of {N_TILE_STEP})")
+                             f"{BLOCK_K}, N of {step})")
         self.m, self.k, self.n, self.sms = int(m), int(k), int(n), int(ctas)
+        self.epilogue = epilogue
+        self.silu = epilogue == "silu_mul"
+        self.n_out = self.n // 2 if self.silu else self.n        # y's columns
         if batch_tile is None or n_tile is None:
-            best_bt, best_nt = self.choose_tile(self.m, self.n, self.sms)
+            best_bt, best_nt = self.choose_tile(self.m, self.n, self.sms, epilogue)
             batch_tile = best_bt if batch_tile is None else batch_tile
             n_tile = best_nt if n_tile is None else n_tile
         if batch_tile not in (WG_ROWS, MAX_BATCH_TILE):
             raise ValueError(f"batch_tile={batch_tile} unsupported: {WG_ROWS} or {MAX_BATCH_TILE}")
-        if n_tile % N_TILE_STEP or not 0 < n_tile <= MAX_N_TILE or self.n % n_tile:
-            raise ValueError(f"n_tile={n_tile} unsupported: a multiple of {N_TILE_STEP} up to "
-                             f"{MAX_N_TILE} dividing N={self.n}")
+        if n_tile % step or not 0 < n_tile <= MAX_N_TILE or self.n % n_tile:
+            raise ValueError(f"n_tile={n_tile} unsupported: a multiple of {step} up to "
+                             f"{MAX_N_TILE} dividing N={self.n}"
+                             + (" (silu_mul: half gate rows, half up rows)" if self.silu else ""))
         self.batch_tile, self.n_tile = int(batch_tile), int(n_tile)
         self.wgs = self.batch_tile // WG_ROWS
         self.batch_tiles = _ceil_div(self.m, self.batch_tile)
@@ -218,9 +239,14 @@ class WideGemmConfig:
 
     def w_boxes_of_stage(self) -> tuple[int, int, int]:
         """How a stage's W (the tile's n_tile rows, one k-block) is loaded: (rows per box, boxes,
-        rows from one box's start to the next's). In a pair sharing W the CTA of rank r loads
-        boxes r, r + 2, ... and multicasts each to both.
+        rows from one box's start to the next's, in the stage buffer). In a pair sharing W the
+        CTA of rank r loads boxes r, r + 2, ... and multicasts each to both (except one
+        row-major box, which TMA's multicast partition halves). Where box p starts in W:
+        ``w_box_row``.
 
+        * silu_mul: the gate half and the up half of the tile are I = N / 2 rows apart in W, so
+          each half is loaded on its own: one box of n_tile / 2 rows each (row-major, or
+          16-row blocks, whose halves are whole blocks), or with 64-row blocks their pieces.
         * Row-major W: one box of the tile (in a pair, TMA's multicast partition halves it).
         * 64-row blocks: the tile's rows start at any multiple of 16, so they need not be whole
           blocks: W_PIECE_ROWS-row pieces, each contiguous 2 KB of one block.
@@ -230,6 +256,9 @@ class WideGemmConfig:
           at 1/B more of the tile read from L2 (the second read of that block is an L2 hit)."""
         whole_tile = (self.n_tile, 1, self.n_tile)
         pieces = (W_PIECE_ROWS, self.n_tile // W_PIECE_ROWS, W_PIECE_ROWS)
+        if self.silu:
+            half = self.n_tile // 2
+            return pieces if self.w_blocked and self.w_block_rows == weight_blocks.BLOCK else (half, 2, half)
         if not self.w_blocked:
             return whole_tile
         if self.w_block_rows == weight_blocks.BLOCK:
@@ -241,6 +270,21 @@ class WideGemmConfig:
         if (self.n // self.w_block_rows) % (half // self.w_block_rows):
             return pieces       # a box of `half` rows must tile W's block rows (CuTe's local_tile)
         return half, 2, self.n_tile - half
+
+    @property
+    def w_split_boxes(self) -> bool:
+        """Whether a stage's W is loaded as several boxes (each multicast whole in a W pair)
+        rather than as one box of the whole tile (halved by TMA's multicast partition)."""
+        return self.w_blocked or self.silu
+
+    def w_box_row(self, n_blk, p: int):
+        """First W row of box ``p`` of W tile ``n_blk`` (an int, or the kernel's Int32): the
+        tile's rows n_blk * n_tile + p * w_box_step on, or with silu_mul, gate boxes then up
+        boxes, each half from row n_blk * n_tile / 2 of its half of W."""
+        if not self.silu:
+            return n_blk * self.n_tile + p * self.w_box_step
+        per_half = self.w_boxes // 2
+        return (p // per_half) * self.n_out + n_blk * (self.n_tile // 2) + (p % per_half) * self.w_box_step
 
     @staticmethod
     def wave_fill(m: int, n: int, sms: int, batch_tile: int, n_tile: int) -> float:
@@ -254,11 +298,12 @@ class WideGemmConfig:
         return m / (_ceil_div(m, batch_tile) * batch_tile)
 
     @classmethod
-    def choose_tile(cls, m: int, n: int, sms: int) -> tuple[int, int]:
+    def choose_tile(cls, m: int, n: int, sms: int, epilogue: str | None = None) -> tuple[int, int]:
         """(batch_tile, n_tile): among the shapes that fill the waves within FILL_SLACK of the
         best, the largest tile counting only batch rows < M (the fewest x and W re-reads from
         L2 per useful FLOP), then the least padding, then 128 batch rows."""
-        candidates = [(bt, nt) for bt in (128, 64) for nt in range(MAX_N_TILE, 0, -N_TILE_STEP)
+        step = n_tile_step(epilogue)
+        candidates = [(bt, nt) for bt in (128, 64) for nt in range(MAX_N_TILE, 0, -step)
                       if n % nt == 0]
         if not candidates:
             raise ValueError(f"wide decode GEMM: no W tile divides N={n}")
@@ -268,19 +313,20 @@ class WideGemmConfig:
 
     def key(self) -> tuple:
         """Everything the compiled kernel depends on."""
-        return (self.m, self.k, self.n, self.sms, *(getattr(self, knob) for knob in TUNING_KNOBS))
+        return (self.m, self.k, self.n, self.epilogue, self.sms, *(getattr(self, knob) for knob in TUNING_KNOBS))
 
     @classmethod
     def from_key(cls, key: tuple) -> "WideGemmConfig":
-        m, k, n, sms, *tuning = key
-        return cls(m, k, n, sms, **dict(zip(TUNING_KNOBS, tuning)))
+        m, k, n, epilogue, sms, *tuning = key
+        return cls(m, k, n, sms, epilogue, **dict(zip(TUNING_KNOBS, tuning)))
 
     def tiles_of(self, cta: int) -> list[int]:
         """The tiles CTA ``cta`` computes, in order (the kernel's persistent loop)."""
         return list(range(cta, self.tiles, self.ctas))
 
     def __repr__(self) -> str:
-        return (f"WideGemmConfig(m={self.m}, k={self.k}, n={self.n}, ctas={self.ctas}, "
+        return (f"WideGemmConfig(m={self.m}, k={self.k}, n={self.n}, "
+                + (f"epilogue={self.epilogue!r}, " if self.epilogue else "") + f"ctas={self.ctas}, "
                 f"tile={self.batch_tile}x{self.n_tile}, tiles={self.batch_tiles}x{self.n_tiles}, "
                 f"wave_fill={self.wave_fill(self.m, self.n, self.sms, self.batch_tile, self.n_tile):.2f}, "
                 f"k_blocks={self.k_blocks}, stages={self.stages}, cluster={self.cluster}"
@@ -294,7 +340,15 @@ def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_s
     shapes from WIDE_MIN_M rows whose tiles fill the grid's waves (one or several) and are
     mostly real batch rows; ``against_split``: the stream-K kernel would split K here, so in
     one wave a lower row fill will do; ``w_blocked``: W is in blocks, so only where the tiles
-    are a multiple of BLOCKED_N_TILE_MULTIPLE rows."""
+    are a multiple of BLOCKED_N_TILE_MULTIPLE rows.
+
+    Never with silu_mul: there the tiles are a knob (``wide=1``). Measured on two H200 boards
+    at K = 7168, N = 36864 (bench/gemm_notes.md §39, 3 interleaved rounds each), they compute
+    two 128-row batch tiles whatever M is (228-239 µs at 160-256 rows, where the stream-K kernel
+    takes 171-238), are 3-5% slower at 128 rows, and at 248-256 rows on row-major W beat the
+    stream-K kernel on blocks by 4.4% on one board and tie on the other, while no faster on
+    W's 16-row pieces. A default there would keep gate_up's weight row-major at every captured
+    size (gemm.reads_blocks), costing the small sizes the blocks' 2-7%."""
     if epilogue is not None or m < WIDE_MIN_M or n % N_TILE_STEP:
         return False
     batch_tile, n_tile = WideGemmConfig.choose_tile(m, n, sms)
@@ -326,7 +380,7 @@ class WideGemmKernel:
         mW = cute.make_tensor(cute.make_ptr(BFloat16, w_addr, gmem, assumed_align=16),
                               w_global_layout(cfg.n, cfg.k, cfg.w_blocked, cfg.w_block_rows))
         mY = cute.make_tensor(cute.make_ptr(BFloat16, y_addr, gmem, assumed_align=16),
-                              cute.make_layout((x_rows, cfg.n), stride=(cfg.n, 1)))
+                              cute.make_layout((x_rows, cfg.n_out), stride=(cfg.n_out, 1)))
 
         k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -343,7 +397,7 @@ class WideGemmKernel:
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(
             tma_load_op(x_mcast), mX, cute.slice_(sX_box_layout, (None, None, 0)), (cfg.x_box_rows, BLOCK_K),
             num_multicast=x_mcast)
-        if const_expr(cfg.w_blocked):
+        if const_expr(cfg.w_split_boxes):
             # One tensor map for every box of a stage (w_boxes_of_stage), each multicast whole
             # (half a 16-row piece would be one 8-row swizzle atom, which CuTe DSL 4.8.1
             # cannot make a box of).
@@ -395,9 +449,9 @@ class WideGemmKernel:
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
         sX_box = storage.sX.get_tensor(first_rows_layout(sX_layout, cfg.x_box_rows).outer, swizzle=sX_layout.inner)
         sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
-        # What the W loads fill: the stage buffers, or with W in blocks their pieces.
+        # What the W loads fill: the stage buffers, or their boxes (w_boxes_of_stage).
         sW_load = sW
-        if const_expr(cfg.w_blocked):
+        if const_expr(cfg.w_split_boxes):
             sW_load = storage.sW.get_tensor(self.w_boxes_layout(sW_layout).outer, swizzle=sW_layout.inner)
         if warp == cfg.producer_warp:
             with cute.arch.elect_one():
@@ -468,21 +522,23 @@ class WideGemmKernel:
     @cute.jit
     def load_w(self, tma_w, mW_tma, sW, cta, rank, i: Int32, stage: Int32, bar, evict_first: Int64):
         """TMA of this CTA's iteration i's W (its tile's n_tile rows, its k-block) into ``sW``
-        (the stage buffers, or with W in blocks their (box, stage) pieces): the boxes of
-        ``w_boxes_of_stage``; sharing W in a pair, this CTA's (boxes r, r + 2, ..., or with
-        row-major W its half of the one box's rows), multicast to both."""
+        (the stage buffers, or their (box, stage) pieces): the boxes of ``w_boxes_of_stage``;
+        sharing W in a pair, this CTA's (boxes r, r + 2, ..., or with one row-major box its
+        half of the box's rows), multicast to both."""
         cfg = self.cfg
         local = i // cfg.k_blocks
         n_blk, _ = self.tile_coords(cta, local)
         kb = i - local * cfg.k_blocks
-        if const_expr(cfg.w_blocked):
+        if const_expr(cfg.w_split_boxes):
             rows = cfg.w_block_rows
             for p in cutlass.range_constexpr(cfg.w_boxes):
+                first = cfg.w_box_row(n_blk, p)
+                # Blocked W's coordinates are ((row in block, block row), K); row-major W's (row, K).
+                origin = (first, 0)
+                if const_expr(cfg.w_blocked):
+                    origin = ((first % rows, first // rows), 0)
                 if p % cfg.w_multicast == rank % cfg.w_multicast:
-                    first = n_blk * cfg.n_tile + p * cfg.w_box_step
-                    # W's coordinates are ((row in block, block row), K): the box's first row.
-                    gW = cute.local_tile(cute.domain_offset(((first % rows, first // rows), 0), mW_tma),
-                                         (cfg.w_box_rows, BLOCK_K), (0, None))
+                    gW = cute.local_tile(cute.domain_offset(origin, mW_tma), (cfg.w_box_rows, BLOCK_K), (0, None))
                     tWsW, tWgW = cpasync.tma_partition(
                         tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
                     tma_load(tma_w, tWgW[(None, kb)], tWsW[(None, (p, stage))], bar,
@@ -546,17 +602,32 @@ class WideGemmKernel:
             if lane == 0:
                 release_stage(empty + (i0 + cfg.k_blocks - 1) % cfg.stages, cfg.cluster)
             n_blk, b_blk = self.tile_coords(cta, local)
-            col0 = n_blk * cfg.n_tile
+            # y columns of this tile: its n_tile W rows, or with silu_mul its n_tile / 2 gate rows.
+            col0 = n_blk * (cfg.n_tile // 2 if const_expr(cfg.silu) else cfg.n_tile)
+            # wgmma's fp32 fragment is ((2 columns, 2 rows, n_tile / 8 column groups)): the
+            # accumulator `half` further on is the same row, n_tile / 2 columns further (the up
+            # row of a gate row with silu_mul, whose stores cover the first half only).
+            half = cute.size(tCcAcc) // 2
+            stored = half if const_expr(cfg.silu) else cute.size(tCcAcc)
             for w in cutlass.range_constexpr(cfg.wgs):
                 if wg == w:
                     owned, start = self.x_rows(b_blk, w)
-                    # wgmma's fp32 fragment holds two adjacent W rows (y columns) of one batch
-                    # row in accumulators 2i and 2i + 1: one 4-byte store per pair.
-                    for j in cutlass.range_constexpr(0, cute.size(tCcAcc), 2):
+                    # The fragment holds two adjacent W rows (y columns) of one batch row in
+                    # accumulators 2i and 2i + 1: one 4-byte store per pair.
+                    for j in cutlass.range_constexpr(0, stored, 2):
                         row, col = tCcAcc[j]
                         m = start + row
                         if m >= owned and m < cfg.m:
-                            store_bf16x2(mY.iterator + (m * cfg.n + col0 + col), acc[j], acc[j + 1])
+                            lo, hi = acc[j], acc[j + 1]
+                            if const_expr(cfg.silu):
+                                lo, hi = silu_mul(lo, acc[j + half]), silu_mul(hi, acc[j + 1 + half])
+                            store_bf16x2(mY.iterator + (m * cfg.n_out + col0 + col), lo, hi)
+
+
+@cute.jit
+def silu_mul(gate: Float32, up: Float32) -> Float32:
+    """silu(gate) * up in fp32, the same expression as kernels/gemm.py's epilogue."""
+    return gate / (Float32(1.0) + cute.math.exp(-gate)) * up
 
 
 def store_bf16x2(dst, lo: Float32, hi: Float32) -> None:

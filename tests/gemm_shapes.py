@@ -126,6 +126,16 @@ TUNING_CASES = [
     (256, 1024, 320, None, dict(wide=1, n_tile=80, w_blocked=1, w_block_rows=16)),
     (128, 18432, 7168, None, dict(wide=1, cluster=1, w_blocked=1, w_block_rows=16)),
     (64, 1024, 36864, None, dict(wide=1, n_tile=64, w_blocked=1, w_block_rows=16)),
+    # silu_mul on the whole-K tiles (gate and up rows as two boxes into one stage, the
+    # epilogue pairing accumulator j with j + n_tile / 4): W pairs, x pairs over several
+    # waves, 64-row blocks in pieces, 16-row blocks, a moved-back batch tile, few rows.
+    (256, 7168, 36864, "silu_mul", dict(wide=1)),
+    (128, 7168, 36864, "silu_mul", dict(wide=1)),
+    (128, 7168, 36864, "silu_mul", dict(wide=1, w_blocked=1)),
+    (256, 7168, 36864, "silu_mul", dict(wide=1, w_blocked=1, w_block_rows=16)),
+    (200, 1024, 5632, "silu_mul", dict(wide=1)),
+    (3, 1024, 5632, "silu_mul", dict(wide=1, cluster=1)),
+    (256, 1024, 5632, "silu_mul", dict(wide=1, cluster=1, n_tile=64, w_blocked=1)),
     # plan's own choice on blocks: stream-K where the 80- / 112-row whole-K tiles would run on
     # rows, the whole-K tiles where theirs are 160 rows.
     (128, 7168, 10240, None, dict(w_blocked=1)),

@@ -234,6 +234,15 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     assert step_ab.parse_variant("rows:build.block_weights=0,impl.linear=cute") == (
         "rows", {}, None, {"linear": "cute"}, {"block_weights": False})
     assert step_ab.parse_variant("b16:build.block_rows=16")[4] == {"block_rows": 16}
+    # impl.ROLE=NAME: every node of the role (a name with a dot), an op kind as it is.
+    gu = step_ab.parse_variant("gu:impl.mlp.gate_up=cute,impl.decode_attention=cluster")
+    assert gu[3] == {"mlp.gate_up": "cute", "decode_attention": "cluster"}
+    monkeypatch.syspath_prepend(str(BENCH))        # step_ab imports step_breakdown, as a script does
+    graph = build_graph(load_spec(BENCH.parent / "layer_specs" / "kimi_k3_dense_8l.yaml"))
+    assert step_ab.by_node(gu[3], graph) == {"decode_attention": "cluster",
+                                             **{f"L{i:02d}.mlp.gate_up": "cute" for i in range(8)}}
+    with pytest.raises(SystemExit, match="no node of role 'mlp.gate'"):
+        step_ab.by_node({"mlp.gate": "cute"}, graph)
     for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9", "x:attention.heads=2",
                 "x:cluster.chunk=2", "x:impl.decode_attention=", "x:w_blocked=1", "x:build.seed=1",
                 "x:build.block_weights=no"):

@@ -695,8 +695,17 @@ def test_plan_routes_between_the_two_kernels():
     assert gemm.plan(208, 8192, 7168, None, 132).max_segs == 1
     # A few tiles on many SMs: the waves would be mostly idle, so stream-K stays.
     assert isinstance(gemm.plan(128, 1024, 1536, None, 132), GemmConfig)
-    with pytest.raises(ValueError, match="plain shapes only"):
-        gemm.plan(256, 7168, 36864, "silu_mul", 132, wide=1)
+    # silu_mul: the whole-K tiles only as a knob (gemm_wide.default_applies says why), so a
+    # build keeps storing gate_up's weight in blocks.
+    for m in (128, 192, 256):
+        assert isinstance(gemm.plan(m, 7168, 36864, "silu_mul", 132), GemmConfig)
+        assert gemm.reads_blocks(m, 7168, 36864, "silu_mul")
+    silu = gemm.plan(256, 7168, 36864, "silu_mul", 132, wide=1)
+    assert isinstance(silu, WideGemmConfig) and silu.n_out == 18432 and silu.n_tile % 32 == 0
+    assert WideGemmConfig.from_key(silu.key()).key() == silu.key() and silu.key() != gemm.plan(
+        256, 7168, 36864, None, 132, wide=1, n_tile=silu.n_tile).key()
+    with pytest.raises(ValueError, match="n_tile=48 unsupported: a multiple of 32.*gate rows"):
+        gemm.plan(256, 7168, 36864, "silu_mul", 132, wide=1, n_tile=48)
     with pytest.raises(ValueError, match="publish_first.*stream-K"):
         gemm.plan(256, 8192, 7168, None, 132, wide=1, publish_first=1)
     with pytest.raises(ValueError, match="n_tile.*wide=1 only"):
@@ -783,6 +792,39 @@ def test_wide_ptx(m, k, n, tuning):
                  for line in ptx.splitlines() if "cp.async.bulk.tensor" in line and "multicast::cluster" in line}
     assert multicast == ({"x": {False}, "w": {True}, None: set()}[cfg.pair_shares])
     assert ("mbarrier.arrive.shared::cluster" in ptx) == (cfg.cluster == 2)
+
+
+@pytest.mark.parametrize("m, tuning, boxes, pair", [
+    (256, {}, (96, 2, 96), "w"),                                  # gate box, up box; a pair shares W
+    (128, {}, (48, 2, 48), "x"),                                  # ... a pair shares x
+    (256, {"w_blocked": 1}, (16, 12, 16), "w"),                   # 16-row pieces of 64-row blocks
+    (256, {"w_blocked": 1, "w_block_rows": 16}, (96, 2, 96), "w"),   # one box of whole blocks per half
+    (256, {"cluster": 1, "n_tile": 64}, (32, 2, 32), None),
+])
+def test_wide_silu_mul_ptx(m, tuning, boxes, pair):
+    """silu_mul on the whole-K tiles (gate_up, K = 7168, N = 36864): each stage's W is the
+    tile's gate rows and its up rows, I = 18432 rows apart, as separate boxes, all loaded before
+    the PDL wait; the epilogue computes silu(g) * u in fp32 (ex2, one rounding per value) and
+    stores half the tile's columns."""
+    cfg = gemm.plan(m, 7168, 36864, "silu_mul", 132, wide=1, **tuning)
+    assert (cfg.w_box_rows, cfg.w_boxes, cfg.w_box_step) == boxes and cfg.pair_shares == pair
+    # Box p's first W row: gate boxes from row n_blk * n_tile / 2, up boxes I rows further.
+    half = cfg.n_tile // 2
+    rows = [cfg.w_box_row(3, p) for p in range(cfg.w_boxes)]
+    per_half = cfg.w_boxes // 2
+    assert rows == [3 * half + q * cfg.w_box_step for q in range(per_half)] + \
+                   [18432 + 3 * half + q * cfg.w_box_step for q in range(per_half)]
+    ptx = _wide_ptx(cfg)
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.n_tile}k16.f32.bf16.bf16" in ptx
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("cp.async.bulk.tensor") < wait
+    w_dim = "4d" if cfg.w_blocked else "2d"
+    assert [dim for dim, _ in _tma_loads(ptx[:wait])] == [w_dim] * cfg.w_boxes
+    for op in ("ld.global", "st.global", "atom.", "red."):
+        assert not re.search(r"(?<![\w.])" + re.escape(op), ptx[:wait]), f"{op} before griddepcontrol.wait"
+    assert "ex2.approx" in ptx and "cvt.rn.bf16x2.f32" in ptx and "st.global.b32" in ptx
+    assert not re.search(r"(?<![\w.])(atom|red)\.", ptx)
+    assert cfg.stage_tx_bytes == cfg.wgs * cfg.x_box_rows * 128 + cfg.n_tile * 128
 
 
 @pytest.mark.parametrize("m, k, n, tuning", [
