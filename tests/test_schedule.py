@@ -157,8 +157,8 @@ def test_an_edge_kind_that_is_neither_full_nor_pdl_is_refused(tiny):
 
 def test_linear_implementation_follows_the_measured_crossover():
     """Each captured batch size gets its own schedule: the decode GEMM where it was measured
-    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64), cuBLAS
-    elsewhere and when no batch size is known. A node-name entry overrides the kind's."""
+    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, gate_up up to
+    256), cuBLAS elsewhere and when no batch size is known. A node-name entry overrides the kind's."""
     from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
 
     if not LinearOp.implementations["cute"].available():
@@ -173,10 +173,14 @@ def test_linear_implementation_follows_the_measured_crossover():
     at64 = build_schedule(g, batch=64)
     assert set(linear_impls(at64).values()) == {"cute"}
     assert at64.kernel("L03.mlp.gate_up").edge == at64.kernel("L03.attn.qkv").edge == "pdl"  # behind AttnRes
+    for batch in (128, 256):
+        impls = linear_impls(build_schedule(g, batch=batch))
+        assert {node for node, impl in impls.items() if impl == "cute"} == {f"L{i:02d}.mlp.gate_up" for i in range(8)}
     at128 = build_schedule(g, batch=128)
-    assert set(linear_impls(at128).values()) == {"cublas"}
-    assert at128.implementation_summary()["linear"] == "cublas"
+    assert at128.implementation_summary()["linear"] == "cublas/cute"
     assert at128.kernel("L03.attn.qkv").edge == "full"         # cuBLAS never waits
+    assert at128.kernel("L03.mlp.gate_up").edge == "pdl"
+    assert set(linear_impls(build_schedule(g, batch=257)).values()) == {"cublas"}   # past the decode GEMM's M
     tiny = build_graph(load_spec("layer_specs/tiny.yaml"))     # not a Kimi shape: cuBLAS from 17 rows
     assert set(linear_impls(build_schedule(tiny, batch=DECODE_GEMM_MAX_BATCH + 1)).values()) == {"cublas"}
     mixed = build_schedule(g, {"lm_head": "cublas"}, batch=64)

@@ -43,13 +43,14 @@ def test_only_the_decode_gemms_weights_go_to_blocks():
 
 def test_a_weight_cublas_reads_anywhere_stays_row_major():
     """One copy of a weight serves every captured size: a layer that runs cuBLAS at one size
-    (every Kimi linear at 128 rows, graphc/ops/linear.py's crossovers; or a node pinned to it)
-    keeps its weight row-major at the small sizes too."""
+    (every Kimi linear but gate_up at 128 rows, graphc/ops/linear.py's crossovers; or a node
+    pinned to it) keeps its weight row-major at the small sizes too."""
     s, graph = schedules(KIMI_8L, [1, 8, 128])
     assert s[128].implementations()["L00.attn.qkv"] == "cublas"
-    assert blocked_weights(s, SMS) == set()
+    assert s[128].implementations()["L00.mlp.gate_up"] == "cute"
+    assert blocked_weights(s, SMS) == linear_weights(graph, "gate_up")
     kept = row_major_for_some_sizes(s, SMS)         # what the build tells the user
-    assert set(kept) == linear_weights(graph, "qkv", "o_proj", "gate_up", "down", "lm_head")
+    assert set(kept) == linear_weights(graph, "qkv", "o_proj", "down", "lm_head")
     batch, kernel = kept["L00.attn.qkv.weight"]
     assert (batch, kernel.node, kernel.impl) == (128, "L00.attn.qkv", "cublas")
     assert row_major_for_some_sizes(schedules(KIMI_8L, [1, 8])[0], SMS) == {}

@@ -12,8 +12,8 @@ only through a full edge. The CuTe DSL decode GEMM streams its weights before th
 
 Which one a captured batch size gets by default was measured (bench/gemm.py and
 bench/step_ab.py on an H200, bench/gemm_notes.md): the decode GEMM up to
-``DECODE_GEMM_MAX_BATCH`` rows on every linear shape, and up to 64 rows on the Kimi shapes
-listed in ``DECODE_GEMM_CROSSOVER``; cuBLAS above. Where the decode GEMM is the only reader of
+``DECODE_GEMM_MAX_BATCH`` rows on every linear shape, and on the Kimi shapes up to the rows
+listed in ``DECODE_GEMM_CROSSOVER`` (64; gate_up 256, the most it takes); cuBLAS above. Where the decode GEMM is the only reader of
 a weight at every captured batch size, the build stores that weight in 64 x 64 blocks
 (graphc/plan.py), which it streams 2-7% faster.
 """
@@ -114,9 +114,14 @@ DECODE_GEMM_MAX_BATCH = 16
 # session 27 (§34, where the blocks leave its kernel as it is). In the step (session 27, one A/B
 # in one process, bench/results/step_decode_gemm_mid_rows_ab_8l_*_session27.txt) every linear on
 # the decode GEMM measured 3994-4085 against cuBLAS's 4040-4090 us at 128 rows (bimodal) and
-# 6630-6645 against 6485-6525 at 256: the crossovers stay at 64.
+# 6630-6645 against 6485-6525 at 256: the crossovers stay at 64 for down, qkv, o_proj and lm_head.
+# gate_up alone on the decode GEMM (its stream-K kernel with silu·mul fused, against cuBLAS plus
+# the Triton silu·mul) was measured per role in session 36 (bench/step_ab.py ... --variant
+# gu_cute:impl.mlp.gate_up=cute, 3 rounds, two boards, bench/results/step_gate_up_on_decode_gemm_ab_8l_*_session36_*):
+# the 8-layer step 2.5-4.9% faster at 96 rows, 3.0-4.0% at 160, 2.9% at 192, tied at 128 and
+# 256: so gate_up runs it up to 256 rows, the most it takes.
 DECODE_GEMM_CROSSOVER = {
-    (7168, 36864, "silu_mul"): 64,
+    (7168, 36864, "silu_mul"): 256,
     (18432, 7168, None): 64,
     (7168, 10240, None): 64,
     (8192, 7168, None): 64,
