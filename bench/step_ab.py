@@ -82,12 +82,13 @@ def parse_variant(text: str) -> tuple[str, dict, set | None, dict, dict]:
 
 def by_node(implementations: dict, graph) -> dict:
     """``graphc.build``'s ``implementations`` for a variant's ``impl.`` settings: an op kind as it
-    is, a role (a name with a dot, e.g. ``mlp.gate_up``) as every node of that role."""
+    is, a node name (``L03.mlp.down``) as it is, a role (a name with a dot, e.g. ``mlp.gate_up``)
+    as every node of that role."""
     from step_breakdown import role
 
     out = {}
     for key, impl in implementations.items():
-        if "." not in key:
+        if "." not in key or key in graph.nodes:
             out[key] = impl
             continue
         nodes = [node for node in graph.nodes if role(node) == key]

@@ -13,7 +13,8 @@ wgmma allows in steps of 16 (its N) when x is the A operand.
 Structure
 ---------
 * **Orientation**: x is wgmma's A operand (its M = 64 batch rows per consumer warpgroup), W the
-  B operand (its N = ``n_tile`` W rows, a multiple of 16 up to 256). A tile is ``batch_tile``
+  B operand (its N = ``n_tile`` W rows, a multiple of 16 up to 256; of 32 with silu_mul, so that
+  its gate and up halves are whole 16-row pieces, ``n_tile_step``). A tile is ``batch_tile``
   (64 or 128) batch rows x ``n_tile`` W rows over the whole of K; each consumer warpgroup
   owns 64 of its batch rows, and both read the tile's W from the same shared-memory buffer.
 * **Tile shape** (``WideGemmConfig.choose_tile``): the largest (batch_tile, n_tile), counting
@@ -34,9 +35,10 @@ Structure
   tile run side by side and the second read hits L2). The producer warp streams (W, x) stages
   through all of its tiles without a break; the consumers drain each tile's wgmma, store it
   and go on.
-* **Pipeline**: as in kernels/gemm.py: a producer warp issues TMA loads of one W box
-  (n_tile x 64) and one x box per consumer warpgroup (64 x 64) per stage into 128B-swizzled
-  shared memory, completing on an mbarrier armed with the stage's bytes; consumer warpgroups
+* **Pipeline**: as in kernels/gemm.py: a producer warp issues TMA loads of the stage's W
+  (one n_tile x 64 box on rows; its 16-row pieces in blocks; two half boxes with silu_mul,
+  ``WideGemmConfig.w_boxes_of_stage``) and one x box per consumer warpgroup (64 x 64) per
+  stage into 128B-swizzled shared memory, completing on an mbarrier armed with the stage's bytes; consumer warpgroups
   run wgmma keeping one k-block in flight and release the stage before.
 * **W in blocks** (``w_blocked``; kernels/weight_blocks.py's 64 x 64 blocks, which ``linear``
   takes as a 4-D weight): a tile's n_tile rows start at any multiple of 16, so they need not be
@@ -363,7 +365,8 @@ def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_s
 
 
 class WideGemmKernel:
-    """``y = x @ W^T`` for one static WideGemmConfig."""
+    """``y = x @ W^T`` (or with silu_mul ``silu(g) * u`` of its two halves) for one static
+    WideGemmConfig."""
 
     def __init__(self, cfg: WideGemmConfig):
         self.cfg = cfg

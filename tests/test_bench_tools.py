@@ -241,6 +241,7 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     graph = build_graph(load_spec(BENCH.parent / "layer_specs" / "kimi_k3_dense_8l.yaml"))
     assert step_ab.by_node(gu[3], graph) == {"decode_attention": "cluster",
                                              **{f"L{i:02d}.mlp.gate_up": "cute" for i in range(8)}}
+    assert step_ab.by_node({"L03.mlp.down": "cute"}, graph) == {"L03.mlp.down": "cute"}
     with pytest.raises(SystemExit, match="no node of role 'mlp.gate'"):
         step_ab.by_node({"mlp.gate": "cute"}, graph)
     for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9", "x:attention.heads=2",

@@ -356,8 +356,8 @@ def test_two_steps_on_cublas_run_on_two_streams_at_once(monkeypatch):
         assert impls["L00.mlp.down"] == impls["L00.attn.qkv"] == "cublas" and impls["L00.mlp.gate_up"] == "cute"
     streams = [step.graphs[128].capture_stream.stream.cuda_stream for step in (first, second)]
     assert streams[0] != streams[1] and pooled.cuda_stream not in streams
-    assert not (workspace_addresses(first.plan.workspaces, ("attention_tma",))
-                & workspace_addresses(second.plan.workspaces, ("attention_tma",)))
+    # gate_up's decode GEMM splits K at 128 rows too, so each plan holds a GEMM workspace.
+    assert not workspace_addresses(first.plan.workspaces) & workspace_addresses(second.plan.workspaces)
     replay_on_two_streams([first, second], 128, seed=12)
 
 
