@@ -43,12 +43,31 @@ def _device_guard(dev: torch.device):
     return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
-def _on_step_device(method):
+def _in_step_order(method):
+    """Run a ``DecodeStep`` method that touches the step's GPU memory on the step's device,
+    and after everything already queued on the stream its previous such method ran on.
+
+    One step's calls share its static buffers (inputs, logits, the KV cache, the weights), so
+    they must not overlap. On one stream they are in order anyway; a call from another stream
+    (``with torch.cuda.stream(s)``) first waits, on the GPU, for all that the previous
+    stream holds at that moment: the previous call's replay and whatever the caller queued
+    after it, such as the clone of its logits. The host does not wait. The common case (the
+    same stream again) costs one stream lookup. Inside a stream capture the caller orders its
+    own streams (a captured stream may not wait on an event recorded outside the capture)."""
     @functools.wraps(method)
-    def on_device(self, *args, **kwargs):
+    def in_order(self, *args, **kwargs):
         with _device_guard(self.device):
+            if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+                return method(self, *args, **kwargs)
+            stream = torch.cuda.current_stream()
+            previous = self._last_stream
+            if previous is not None and previous != stream:
+                done = torch.cuda.Event()
+                done.record(previous)
+                stream.wait_event(done)
+            self._last_stream = stream
             return method(self, *args, **kwargs)
-    return on_device
+    return in_order
 
 
 class DecodeStep:
@@ -59,8 +78,10 @@ class DecodeStep:
 
     Calls run on the device's current stream, one after another. Two steps (two builds of one
     process) may run on two streams at once: each plan has its own split-K workspaces
-    (``plan.workspaces``). One step must not be called on two streams at once: its calls share
-    its static input, output and KV-cache buffers as well.
+    (``plan.workspaces``). One step's calls share its static input, output and KV-cache
+    buffers, so a call (or ``reset``, ``load_weights``, ``profile``) issued on another stream
+    than the step's previous one first waits, on the GPU, for everything queued on that
+    previous stream so far: calls of one step from several streams run one after another.
 
     ``schedules`` holds each captured batch size's schedule (its implementations can differ:
     the decode GEMM at small batches, cuBLAS at large ones); ``schedule`` is the largest's.
@@ -76,6 +97,7 @@ class DecodeStep:
         self.device = plan.device
         self.fingerprint = self.spec.fingerprint()
         self._served = {size: [0, 0] for size in self.batch_sizes}    # calls, real rows
+        self._last_stream = None     # the stream of the last call, reset, reload or profile
 
     def schedule_for(self, batch: int) -> Schedule:
         """The schedule that runs a batch of ``batch`` rows (that of its padded size)."""
@@ -100,7 +122,7 @@ class DecodeStep:
                           f"({', '.join(map(str, self.batch_sizes))}); build with a larger batch size "
                           f"(graphc.build(..., batch_sizes=[...]); graphc build / bench SPEC --batch-sizes ...)")
 
-    @_on_step_device
+    @_in_step_order
     def __call__(self, tokens: torch.Tensor, seq_lens: torch.Tensor,
                  cache_slots: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
         """Run one decode step. tokens: [b] integer token ids; seq_lens: [b] tokens already
@@ -176,7 +198,7 @@ class DecodeStep:
         return b
 
     # --- state ------------------------------------------------------------------------------
-    @_on_step_device
+    @_in_step_order
     def reset(self, cache_slots: Sequence[int] | torch.Tensor | int | None = None) -> None:
         """Start new sequences: clear the KV cache of the given slots (default: all). Slots
         are given as ``__call__`` takes them (an integer tensor) or as Python integers: one,
@@ -193,7 +215,7 @@ class DecodeStep:
                 else:
                     cache[torch.tensor(cache_slots, dtype=torch.long, device=cache.device)] = 0
 
-    @_on_step_device
+    @_in_step_order
     def load_weights(self, path: str | os.PathLike) -> None:
         """Reload weights in place: the captured graphs read the same memory, so the next
         replay uses the new values and no graph is stale. (A spec change needs a new build.)
@@ -234,7 +256,7 @@ class DecodeStep:
                        "padding_waste": padding[size]["waste"]}
                 for size, g in sorted(self.graphs.items())}
 
-    @_on_step_device
+    @_in_step_order
     def profile(self, batch: int, path: str | os.PathLike | None = None,
                 context: int | None = None, replays: int = 20, repeat: int = 10) -> dict:
         """Per-kernel durations at one batch size, in the JSON the HTML timeline displays.

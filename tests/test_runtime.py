@@ -1,6 +1,7 @@
 """DecodeStep on the CPU (reference executor behind the same API): batch selection, padding
 into the scratch slot, and every refused input leaving the KV cache untouched."""
 
+import contextlib
 import os
 import re
 import statistics
@@ -565,3 +566,59 @@ def test_every_launch_gets_its_plans_own_workspaces(monkeypatch):
                                torch.tensor([0, 1], dtype=torch.int32))
         launch_all(step.plan, 2, None)
     assert seen == [first.plan.workspaces, second.plan.workspaces]
+
+
+def test_step_methods_on_another_stream_wait_for_the_previous_stream(monkeypatch):
+    """The ordering of a step's calls across streams (runtime._in_step_order), with CUDA's
+    streams and events faked so it runs on the CPU: the same stream again waits for nothing;
+    another stream waits for an event recorded, at that moment, on the previous one; inside a
+    stream capture nothing is recorded or awaited. (On a GPU: test_step_gpu.py's
+    test_calls_of_one_step_from_two_streams_run_one_after_the_other.)"""
+    from graphc import runtime
+
+    log, current, capturing = [], ["a"], [False]
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def __eq__(self, other):
+            return self.name == other.name
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event.on))
+
+    streams = {name: FakeStream(name) for name in "ab"}
+
+    class FakeEvent:
+        on = None
+
+        def record(self, stream):
+            self.on = stream.name
+
+    monkeypatch.setattr(runtime, "_device_guard", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(runtime.torch.cuda, "current_stream", lambda *a: streams[current[0]])
+    monkeypatch.setattr(runtime.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(runtime.torch.cuda, "Event", FakeEvent)
+
+    class Step:
+        device = torch.device("cuda")
+        _last_stream = None
+
+        @runtime._in_step_order
+        def call(self, tag):
+            log.append(("run", current[0], tag))
+
+    step = Step()
+    step.call(1)                 # first call: nothing to wait for
+    step.call(2)                 # same stream
+    current[0] = "b"
+    step.call(3)                 # another stream: waits for what a holds
+    step.call(4)
+    current[0] = "a"
+    capturing[0] = True
+    step.call(5)                 # inside a capture the caller orders its streams
+    capturing[0] = False
+    step.call(6)                 # the last stream it ran on is still b
+    assert log == [("run", "a", 1), ("run", "a", 2), ("wait", "b", "a"), ("run", "b", 3), ("run", "b", 4),
+                   ("run", "a", 5), ("wait", "a", "b"), ("run", "a", 6)]

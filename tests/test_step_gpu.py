@@ -333,6 +333,32 @@ def test_two_steps_run_on_two_streams_at_once(step8l):
     replay_on_two_streams([step8l, other], 32, seed=11)
 
 
+def test_calls_of_one_step_from_two_streams_run_one_after_the_other():
+    """A call issued on another stream than the step's previous call waits, on the GPU, for
+    everything that stream holds: here the previous replay, a ~20 ms sleep and the clone of its
+    logits. Unordered, the second replay would overwrite the shared logits buffer during the
+    sleep, before the first clone reads it (CUDA orders two launches of one graph, not the
+    work queued after them), and its input copies could land while the first replay runs."""
+    step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[4], progress=None)
+    tokens = [torch.tensor([1, 2, 3, 4]).cuda(), torch.tensor([9, 8, 7, 6]).cuda()]
+    lens = torch.zeros(4, dtype=torch.int32, device="cuda")   # each call reads only its own KV entry
+    alone = [step(t, lens).clone() for t in tokens]
+    assert not torch.equal(alone[0], alone[1])
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    for stream in (first, second):
+        stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        with torch.cuda.stream(first):
+            logits = step(tokens[0], lens, validate=False)
+            torch.cuda._sleep(40_000_000)
+            kept_first = logits.clone()
+        with torch.cuda.stream(second):
+            kept_second = step(tokens[1], lens, validate=False).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(kept_first, alone[0])
+        assert torch.equal(kept_second, alone[1])
+
+
 def test_two_steps_on_cublas_run_on_two_streams_at_once(monkeypatch):
     """The same at 128 rows, where every linear but gate_up runs cuBLAS (DECODE_GEMM_CROSSOVER is
     64 for them) and down splits K through cuBLAS's workspace: torch keeps that workspace per
