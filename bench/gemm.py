@@ -15,9 +15,10 @@ silu_mul the GEMM alone; ``cublas+act`` adds the one Triton silu(gate) * up kern
 unfused cuBLAS path runs; before session 21 it was torch's silu and mul, two kernels and a
 copy of the strided gate). Both ratios to cuBLAS are printed: PDL chaining hides 2-3 µs per call at 32-64
 rows (bench/gemm_notes.md §14).
-The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / 790 TFLOP/s) with the H200's
-4.3 TB/s (graphc/floor.py; this board's device-to-device copy and read rate, graphc/bench.py,
-are reported beside it). ``--power`` samples the board's power and SM clock while ours, cuBLAS and each
+The floor is max(N*K*2 bytes / HBM bandwidth, 2*M*N*K FLOP / matrix rate), by the rule of
+``graphc bench`` (graphc/floor.py, graphc.bench.device_floor_bandwidth): on an H200 4.3 TB/s
+and 790 TFLOP/s, fixed, with this board's device-to-device copy and read rate reported beside
+them; on any other GPU its own measured copy rate and the byte term alone. ``--power`` samples the board's power and SM clock while ours, cuBLAS and each
 variant run.
 ``variants`` times the legal alternatives to the default tuning (``bk``: K per stage 64/128;
 ``pf``: W iterations prefetched into L2 before the PDL wait), each checked against the
@@ -56,12 +57,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # Same target string as the tests (conftest.py), so both share the on-disk compile cache.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from graphc.bench import copy_bytes_per_s, read_bytes_per_s  # noqa: E402
-from graphc.floor import H200_BF16_FLOPS_PER_S, H200_HBM_BYTES_PER_S  # noqa: E402
+from graphc.bench import device_floor_bandwidth  # noqa: E402
 from graphc.kernels import gemm, weight_blocks  # noqa: E402
 from graphc.power import measure_power, nvidia_smi_id  # noqa: E402
-
-BF16_FLOPS = H200_BF16_FLOPS_PER_S   # measured dense bf16 matrix rate on H200 (KINDS.md)
 
 BIG_SHAPES = [
     ("gate_up", 7168, 36864, "silu_mul"),
@@ -273,8 +271,8 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
     row = {
         "name": name, "m": m, "k": k, "n": n, "epilogue": epilogue, "weight_bytes": w_bytes,
         "weight_copies": copies, "chain": chain, "rel_err": err,
-        "floor_bytes_s": w_bytes / H200_HBM_BYTES_PER_S,
-        "floor_flops_s": 2 * m * n * k / BF16_FLOPS,
+        "floor_bytes_s": w_bytes / args.floor["hbm_bytes_per_s"],
+        "floor_flops_s": 2 * m * n * k / args.floor["flops_per_s"] if args.floor["flops_per_s"] else 0.0,
         **{label: t for label, t in per_call.items() if not label.startswith("variant ")},
         "variants": {label: {"tuning": tuning, "pdl_s": per_call[f"variant {label}"], "rel_err": var_err,
                              "rounds_s": passes[f"variant {label}"]}
@@ -322,10 +320,11 @@ def main() -> None:
     if args.only:
         shapes = [s for s in shapes if s[0] in args.only.split(",")]
     ms = [int(v) for v in args.m.split(",")]
-    copy_bw, read_bw = copy_bytes_per_s(), read_bytes_per_s()
+    args.floor = floor = device_floor_bandwidth()
+    copy_bw, read_bw = floor["copy_bytes_per_s"], floor["read_bytes_per_s"]
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB; "
           f"D2D copy {copy_bw / 1e12:.2f} TB/s, read {read_bw / 1e12:.2f} TB/s "
-          f"(floor uses {H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
+          f"(floor uses {floor['hbm_bytes_per_s'] / 1e12:.2f} TB/s: {floor['source']})")
 
     rows = []
     hdr = (f"{'shape':<13}{'M':>4} {'floor us':>9} {'pdl us':>8} {'%floor':>7} {'nopdl us':>9} "
@@ -363,10 +362,11 @@ def main() -> None:
         "torch": torch.__version__,
         "cutlass_dsl": getattr(cutlass, "__version__", "unknown"),
         "host": platform.node(),
-        "hbm_bytes_per_s_nominal": H200_HBM_BYTES_PER_S,
+        "hbm_bytes_per_s_nominal": floor["hbm_bytes_per_s"],
+        "floor_source": floor["source"],
         "d2d_copy_bytes_per_s_measured": copy_bw,
         "read_bytes_per_s_measured": read_bw,
-        "bf16_flops_nominal": BF16_FLOPS,
+        "bf16_flops_nominal": floor["flops_per_s"],
         "method": "CUDA graph of a chain of calls cycling weight copies > 4x L2; median of replays / chain",
         "rows": rows,
     }
