@@ -15,11 +15,27 @@ pytestmark = pytest.mark.gpu
 FULL = "layer_specs/kimi_k3_dense.yaml"
 
 
+# The 93-layer model's weights and workspace: on a GPU smaller than this (an 80 GB H100) no
+# batch size fits, and graphc says the model needs a larger device.
+FULL_WEIGHTS_BYTES = 109e9
+
+
+def holds_the_full_model() -> bool:
+    return torch.cuda.get_device_properties(0).total_memory > FULL_WEIGHTS_BYTES
+
+
 def test_a_build_too_large_for_the_gpu_is_refused_before_allocating():
-    """64 rows at 4096 tokens of context need ~101 GB of KV cache beside the weights."""
+    """64 rows at 4096 tokens of context need ~101 GB of KV cache beside the weights: an H200
+    is told the largest batch size that fits; a GPU that cannot hold even the weights, that the
+    model needs a device with more memory."""
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    with pytest.raises(GraphcError, match=r"needs 2\d\d\.\d GB of GPU memory.*Capture batch sizes up to \d+"):
+    if holds_the_full_model():
+        refusal = r"needs 2\d\d\.\d GB of GPU memory.*Capture batch sizes up to \d+"
+    else:
+        refusal = (r"needs 2\d\d\.\d GB of GPU memory.*The weights alone \(103\.0 GB.*do not fit: "
+                   r"this model needs a device with more memory")
+    with pytest.raises(GraphcError, match=refusal):
         graphc.build(FULL, [1, 64], progress=None)
     assert torch.cuda.memory_allocated() == before
 
@@ -67,6 +83,9 @@ def test_kimi_93_layers_against_reference():
     """Every layer of the real depth, AttnRes blocks of 12 (up to 8 saved blocks): the captured
     step's logits against the all-torch reference executor, three steps at 1 and 6 rows (the
     batch-8 graph, padded)."""
+    if not holds_the_full_model():
+        pytest.skip(f"the 93-layer model's 103 GB of weights need a larger GPU than this "
+                    f"{torch.cuda.get_device_name()} (an H200); the refusal is tested above")
     torch.cuda.empty_cache()
     step = graphc.build(FULL, [1, 8], progress=print)
     gen = torch.Generator().manual_seed(93)
