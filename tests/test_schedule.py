@@ -157,8 +157,9 @@ def test_an_edge_kind_that_is_neither_full_nor_pdl_is_refused(tiny):
 
 def test_linear_implementation_follows_the_measured_crossover():
     """Each captured batch size gets its own schedule: the decode GEMM where it was measured
-    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, gate_up up to
-    256), cuBLAS elsewhere and when no batch size is known. A node-name entry overrides the kind's."""
+    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, down up to 96,
+    o_proj up to 224, gate_up up to 256), cuBLAS elsewhere and when no batch size is known. A
+    node-name entry overrides the kind's."""
     from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
 
     if not LinearOp.implementations["cute"].available():
@@ -173,9 +174,13 @@ def test_linear_implementation_follows_the_measured_crossover():
     at64 = build_schedule(g, batch=64)
     assert set(linear_impls(at64).values()) == {"cute"}
     assert at64.kernel("L03.mlp.gate_up").edge == at64.kernel("L03.attn.qkv").edge == "pdl"  # behind AttnRes
-    for batch in (128, 256):
+    def on_decode_gemm(batch):
         impls = linear_impls(build_schedule(g, batch=batch))
-        assert {node for node, impl in impls.items() if impl == "cute"} == {f"L{i:02d}.mlp.gate_up" for i in range(8)}
+        return {node.split(".", 1)[1] for node, impl in impls.items() if impl == "cute"}
+
+    assert on_decode_gemm(96) == {"attn.o_proj", "mlp.gate_up", "mlp.down"}
+    assert on_decode_gemm(97) == on_decode_gemm(128) == on_decode_gemm(224) == {"attn.o_proj", "mlp.gate_up"}
+    assert on_decode_gemm(225) == on_decode_gemm(256) == {"mlp.gate_up"}
     at128 = build_schedule(g, batch=128)
     assert at128.implementation_summary()["linear"] == "cublas/cute"
     assert at128.kernel("L03.attn.qkv").edge == "full"         # cuBLAS never waits

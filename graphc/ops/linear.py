@@ -11,9 +11,9 @@ cuBLAS (through torch) cannot execute ``griddepcontrol.wait``, so the scheduler 
 only through a full edge. The CuTe DSL decode GEMM streams its weights before the wait.
 
 Which one a captured batch size gets by default was measured (bench/gemm.py and
-bench/step_ab.py on an H200, bench/gemm_notes.md): the decode GEMM up to
+bench/step_ab.py on H200s, and on H100s for down and o_proj; bench/gemm_notes.md): the decode GEMM up to
 ``DECODE_GEMM_MAX_BATCH`` rows on every linear shape, and on the Kimi shapes up to the rows
-listed in ``DECODE_GEMM_CROSSOVER`` (64; gate_up 256, the most it takes); cuBLAS above. Where the decode GEMM is the only reader of
+listed in ``DECODE_GEMM_CROSSOVER`` (64; down 96, o_proj 224, gate_up 256); cuBLAS above. Where the decode GEMM is the only reader of
 a weight at every captured batch size, the build stores that weight in 64 x 64 blocks
 (graphc/plan.py), which it streams 2-7% faster.
 """
@@ -120,11 +120,20 @@ DECODE_GEMM_MAX_BATCH = 16
 # gu_cute:impl.mlp.gate_up=cute, 3 rounds, two boards, bench/results/step_gate_up_on_decode_gemm_ab_8l_*_session36_*):
 # the 8-layer step 2.5-4.9% faster at 96 rows, 3.0-4.0% at 160, 2.9% at 192, tied at 128 and
 # 256: so gate_up runs it up to 256 rows, the most it takes.
+# o_proj and down per role (session 38, the same command with impl.attn.o_proj=cute or
+# impl.mlp.down=cute, two H100 boards, bench/results/step_ab_{op,down}_cute_96_224_*_session38*):
+# o_proj on the decode GEMM (one whole-K 64-row unit per CTA, on blocks) -0.8 / -1.0% at 96 rows,
+# +0.4 / +0.1% at 128, tied at 160, -3.6 / -2.8% at 192, -1.0 / -0.6% at 224, with bitwise the
+# same logits; alone it is 0.95-0.97x cuBLAS at 128 rows and 0.80-0.83x at 192 on an H200 and an
+# H100 (bench/gemm_notes.md §37-§40), so it runs it up to 224 (at 256 the whole-K tiles, on rows,
+# lose to cuBLAS). down -2.0% at 96 rows on both boards but +0.5-0.8% at 160 (and at 128 its
+# whole-K tiles read rows, which would keep its weight row-major at every size): up to 96.
+# Not yet A/B-measured in the step on an H200.
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 256,
-    (18432, 7168, None): 64,
-    (7168, 10240, None): 64,
-    (8192, 7168, None): 64,
+    (18432, 7168, None): 96,        # down
+    (7168, 10240, None): 64,        # qkv
+    (8192, 7168, None): 224,        # o_proj
     (7168, 163840, None): 64,       # lm_head
 }
 
