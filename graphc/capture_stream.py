@@ -8,8 +8,8 @@ scratch memory: replayed on two streams at once, their split-K cuBLAS GEMMs mix 
 (bench/cublas_shared_workspace.py: down at 64 and 128 rows, every concurrent replay wrong when
 the two graphs were captured on one stream, none on two). A stream created for the plan gives
 its cuBLAS calls a workspace of their own, as ``Workspaces`` does for graphc's split-K kernels.
-The plan's graphs share it, and they never run at once (one step is not called on two streams
-at once).
+The plan's graphs share it, and they never run at once: a step's calls run one after another,
+from whichever streams they come (graphc/runtime.py ``_in_step_order``).
 
 The stream lives as long as the plan or any graph captured on it holds this object: torch
 keys its workspaces by the stream's address, which a later stream may reuse only after every
