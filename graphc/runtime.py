@@ -281,7 +281,9 @@ class DecodeStep:
         self.plan.view("seq_lens", size).fill_(ctx - 1)
         self.plan.view("cache_slots", size).copy_(torch.arange(size, device=self.device))
         rows = []
-        side = torch.cuda.Stream()
+        # The plan's own stream, as the step's graphs were captured on: a cuBLAS kernel keeps
+        # that stream's workspace, which no pooled stream's graph can share (capture_stream.py).
+        side = self.plan.capture_stream().stream
         schedule = self.schedules[size]
         for k, b in zip(self.plan.kernels_of(schedule), self.plan.bindings(size)):
             launch = k.op.implementations[k.impl].launch

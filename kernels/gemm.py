@@ -129,6 +129,10 @@ DEFAULT_BLOCK_K = 64       # 128 lost on 19 of 24 rows of bench/gemm.py (H200, b
 HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
 Y_STAGING_MIN_MMA_N = 64   # y through shared memory from 64 batch columns (GemmConfig.y_staging)
 PUBLISH_FIRST_MAX_MMA_N = 16  # split tiles publish before arriving up to 16 batch columns (GemmConfig)
+# The split-tile reducer's wait for published partials gives up (``trap``: the launch fails
+# with a CUDA error) after this long. Legitimately microseconds; a context switch to another
+# process's work lasts milliseconds.
+REDUCER_SPIN_LIMIT_NS = 2_000_000_000
 HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these M (GemmConfig)
 UNIT_PER_CTA_ROWS = (65, 256)   # plain shapes: one whole-K 64-row unit per CTA at these M ...
 UNIT_PER_CTA_MIN_FILL = 0.8     # ... when the units fill this share of the SMs (GemmConfig) ...
@@ -1017,8 +1021,14 @@ class DecodeGemmKernel:
             if leader:
                 if const_expr(not cfg.publish_first):
                     # Every other contributor has arrived; wait until each has published.
+                    # They are running and publish right after arriving, so this takes
+                    # microseconds; a count that never comes (a counter another kernel
+                    # touched) traps after REDUCER_SPIN_LIMIT_NS instead of hanging the GPU.
+                    deadline = cute.arch.globaltimer() + REDUCER_SPIN_LIMIT_NS
                     ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
                     while ready != c_hi - c_lo:
+                        if cute.arch.globaltimer() > deadline:
+                            cute.arch.inline_ptx("trap;")
                         ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
                     mCount[cfg.tiles + tile] = Int32(0)
                 mCount[tile] = Int32(0)   # counters back to zero for the next launch; nobody

@@ -317,9 +317,11 @@ def test_publish_first_where_ranges_end_in_one_tile():
 @pytest.mark.parametrize("publish_first", [0, 1])
 def test_ptx_split_tile_protocol(publish_first):
     """Arrive first: a relaxed arrival, a release fence before the ready count, acquire loads
-    polling it. Publish first: no such loop; the arrival is one acquire-release atomic."""
+    polling it, bounded by the global timer (trap past REDUCER_SPIN_LIMIT_NS). Publish first:
+    no such loop; the arrival is one acquire-release atomic."""
     ptx = gemm.linear_ptx(8, 8192, 7168, None, publish_first=publish_first)
     assert ("ld.acquire.gpu" in ptx) == (not publish_first)
+    assert ("trap;" in ptx) == ("%globaltimer" in ptx) == (not publish_first)
     assert ("fence.acq_rel.gpu" in ptx) == (not publish_first)
     assert ("atom.global.acq_rel.add" in ptx) == bool(publish_first)
     assert "discard.global.L2" in ptx

@@ -291,3 +291,47 @@ def test_capture_without_warmup_is_refused(m, k, n, tuning):
         with torch.cuda.graph(graph):
             gemm.linear(x, w, out, **tuning)
     torch.cuda.synchronize()
+
+
+_SPIN_CHILD = """
+import time, torch
+from graphc.kernels import gemm
+from graphc.kernels.workspaces import Workspaces
+m, k, n = 32, 8192, 7168                      # o_proj at 32 rows: arrive first, then poll
+x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+own = Workspaces()
+gemm.linear(x, w, out, workspaces=own)
+torch.cuda.synchronize()
+assert torch.allclose(out.float(), x.float() @ w.float().T, rtol=0.02, atol=0.02)
+cfg = gemm.plan(m, k, n, None, torch.cuda.get_device_properties(0).multi_processor_count)
+assert not cfg.publish_first and cfg.workspace_floats > 0, cfg
+_, counters = gemm._workspace(cfg, x.device, own)
+counters[cfg.tiles:] = 1 << 20                # "ready" counts no contributor can bring back down
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+gemm.linear(x, w, out, workspaces=own)
+try:
+    torch.cuda.synchronize()
+except Exception as e:
+    print(f"FAILED after {time.perf_counter() - t0:.2f} s: {e}")
+else:
+    print("RETURNED")
+"""
+
+
+def test_reducer_with_a_corrupted_ready_count_traps_instead_of_hanging():
+    """A split tile's last contributor polls the ``ready`` count for the others' partials. If
+    that count can never come right (another kernel touched the counters), the launch fails
+    with a CUDA error after REDUCER_SPIN_LIMIT_NS instead of spinning forever. In a child
+    process: a trap ends its CUDA context."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SPIN_CHILD], capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert "FAILED after" in done.stdout, out[-3000:]
+    seconds = float(done.stdout.split("FAILED after ")[1].split(" s")[0])
+    limit = gemm.REDUCER_SPIN_LIMIT_NS / 1e9
+    assert limit <= seconds < limit + 10, out[-3000:]
