@@ -82,8 +82,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import smem_pipeline, weight_blocks
 from .compile_cache import CompileCache
-from .smem_pipeline import (EVICT_FIRST, barriers_ready, block_rows_knob, first_rows_layout, on_off_knob,
-                            peers_done, pipeline_stages, release_stage, row_pieces_layout, tma_load,
+from .smem_pipeline import (EVICT_FIRST, SMEM_BUDGET, SMEM_MAX, barriers_ready, block_rows_knob,
+                            first_rows_layout, on_off_knob, peers_done, pipeline_stages, release_stage, row_pieces_layout, tma_load,
                             tma_load_op, w_global_layout)
 
 # PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
@@ -130,6 +130,11 @@ WIDE_MIN_M = 116
 # There the stream-K kernel takes blocked weights (as fast as these tiles on rows at down 128,
 # 3-5% slower elsewhere, §33-§34), and a build keeps such weights row-major (gemm.reads_blocks).
 BLOCKED_N_TILE_MULTIPLE = 32
+# From this many k-blocks the default ring fills SMEM_MAX rather than SMEM_BUDGET. Measured on
+# an H100 (bench/gemm_notes.md §41, 3-5 interleaved rounds, three runs): down (288 k-blocks) at
+# 256 rows 7 stages of 30 KB 2.0-6.5% faster than 6, at 240 rows 2.0%; o_proj (128 k-blocks)
+# -0.5 to +0.9%, qkv (112; 6 stages of 36 KB) 1% slower.
+DEEP_PIPELINE_MIN_K_BLOCKS = 256
 MAX_BATCH_TILE = 128       # the largest batch tile: up to this many rows, one batch tile holds every row
 WIDE_MIN_ROW_FILL = 0.9
 WIDE_MIN_ROW_FILL_ONE_WAVE = 0.8
@@ -237,7 +242,10 @@ class WideGemmConfig:
         self.stage_bytes = self.wgs * WG_ROWS * BLOCK_K * 2 + self.w_stage_bytes
         self.stage_tx_bytes = (self.wgs * self.x_box_rows * BLOCK_K * 2
                                + self.w_boxes * self.w_box_rows * BLOCK_K * 2)
-        self.stages = pipeline_stages(stages, self.stage_bytes)
+        # A long K takes all the shared memory it can: a PDL dependent then finds no room on our
+        # SMs until we exit, which costs less than the shallower ring did.
+        long_k = self.k_blocks >= DEEP_PIPELINE_MIN_K_BLOCKS
+        self.stages = pipeline_stages(stages, self.stage_bytes, SMEM_MAX if long_k else SMEM_BUDGET)
 
     def w_boxes_of_stage(self) -> tuple[int, int, int]:
         """How a stage's W (the tile's n_tile rows, one k-block) is loaded: (rows per box, boxes,

@@ -21,11 +21,12 @@ MAX_STAGES = 16
 EVICT_FIRST = 0x12F0000000000000
 
 
-def pipeline_stages(stages: int | None, stage_bytes: int) -> int:
-    """The pipeline depth: as many stages of ``stage_bytes`` as SMEM_BUDGET holds, or the
-    ``stages`` knob, which may go up to SMEM_MAX (no room left for a PDL dependent's CTAs)."""
+def pipeline_stages(stages: int | None, stage_bytes: int, budget: int = SMEM_BUDGET) -> int:
+    """The pipeline depth: as many stages of ``stage_bytes`` as ``budget`` (SMEM_BUDGET, or at
+    most SMEM_MAX where the kernel measured faster deeper) holds, or the ``stages`` knob, which
+    may go up to SMEM_MAX (no room left for a PDL dependent's CTAs)."""
     if stages is None:
-        stages = max(2, min(MAX_STAGES, SMEM_BUDGET // stage_bytes))
+        stages = max(2, min(MAX_STAGES, min(budget, SMEM_MAX) // stage_bytes))
     if not 2 <= stages <= MAX_STAGES or stages * stage_bytes > SMEM_MAX:
         raise ValueError(f"stages={stages} unsupported: 2..{MAX_STAGES} stages of "
                          f"{stage_bytes} bytes within {SMEM_MAX} bytes of shared memory")

@@ -14,7 +14,7 @@ import pytest
 
 from graphc.kernels import gemm
 from graphc.kernels.gemm import EVICT_FIRST, GemmConfig, check_shape, linear_ptx
-from graphc.kernels.smem_pipeline import SMEM_BUDGET
+from graphc.kernels.smem_pipeline import SMEM_BUDGET, SMEM_MAX
 
 from gemm_shapes import SPEC_SHAPES  # noqa: E402
 from ptxas_tool import run_ptxas  # noqa: E402
@@ -662,7 +662,19 @@ def test_wide_tile_choice(m, k, n, tile, ctas, pair_shares, default):
     # Every tile computed once, by the CTAs in turn.
     done = sorted(t for c in range(cfg.ctas) for t in cfg.tiles_of(c))
     assert done == list(range(cfg.tiles))
-    assert cfg.stages * cfg.stage_bytes <= SMEM_BUDGET
+    long_k = cfg.k_blocks >= gemm_wide.DEEP_PIPELINE_MIN_K_BLOCKS
+    assert cfg.stages * cfg.stage_bytes <= (SMEM_MAX if long_k else SMEM_BUDGET)
+
+
+def test_wide_ring_depth_fills_more_shared_memory_only_for_a_long_k():
+    """down (288 k-blocks) at 256 rows: 7 stages of 30 KB (210 KB, past SMEM_BUDGET); o_proj
+    (128 k-blocks) on the same tile keeps 6; the knob still says otherwise, up to SMEM_MAX."""
+    down, o_proj = WideGemmConfig(256, 18432, 7168, 132), WideGemmConfig(256, 8192, 7168, 132)
+    assert down.stage_bytes == o_proj.stage_bytes == 30 * 1024
+    assert (down.stages, o_proj.stages) == (7, 6)
+    assert WideGemmConfig(256, 18432, 7168, 132, stages=6).stages == 6
+    with pytest.raises(ValueError, match="stages=8"):
+        WideGemmConfig(256, 8192, 7168, 132, stages=8)
 
 
 def test_plan_routes_between_the_two_kernels():
