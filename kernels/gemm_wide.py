@@ -76,7 +76,7 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Boolean, Float32, Int16, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
@@ -185,36 +185,40 @@ class WideGemmConfig:
         self.n_tiles = self.n // self.n_tile
         self.tiles = self.batch_tiles * self.n_tiles
         self.ctas = min(self.tiles, self.sms)
-        # Clusters of two CTAs that share an operand: each loads half of the shared box and
-        # multicasts it into both, so that operand leaves L2 once per pair for a pair that
-        # refills a stage only when both have released it.
-        # * "w": the two batch tiles of one W tile (CTAs 2j, 2j + 1 compute tiles of the same W
-        #   tile at every step of the persistent loop when the batch tiles and the grid are
-        #   even): cuBLAS's 2 x 1 cluster at 256 rows. Measured on an H200 at 240-256 rows
+        # Clusters of CTAs that share an operand: each loads its share of the shared box and
+        # multicasts it into every CTA that reads it, so that operand leaves L2 once per group,
+        # for a cluster that refills a stage only when all of its CTAs have released it.
+        # * "w": pairs, the two batch tiles of one W tile (CTAs 2j, 2j + 1 compute tiles of the
+        #   same W tile at every step of the persistent loop when the batch tiles and the grid
+        #   are even): cuBLAS's 2 x 1 cluster at 256 rows. Measured on an H200 at 240-256 rows
         #   (bench/gemm_notes.md §21): qkv -5 to -14%, o_proj -1 to -10%, down +-3%.
-        # * "x": with one batch tile (M <= batch_tile), two neighbouring W tiles of it (an even
-        #   tile count and grid give both CTAs of a pair the same number of tiles), so the x
-        #   boxes, re-read for every tile, leave L2 once per pair. Measured (§22): -4% on
+        # * "x": with one batch tile (M <= batch_tile), pairs of two neighbouring W tiles of it
+        #   (an even tile count and grid give both CTAs of a pair the same number of tiles), so
+        #   the x boxes, re-read for every tile, leave L2 once per pair. Measured (§22): -4% on
         #   lm_head at 128 rows (640 tiles, 5 per CTA), but +1 to +5% wherever each CTA
         #   computes one tile (qkv at 64 and 128 rows, o_proj at 64); so by default only over
         #   several waves.
-        self.pair_shares = None
-        if self.ctas % 2 == 0 and self.batch_tiles % 2 == 0:
-            self.pair_shares = "w"
-        elif self.ctas % 2 == 0 and self.batch_tiles == 1 and self.tiles % 2 == 0:
-            self.pair_shares = "x"
+        # * "w+x" (``cluster=4``, a knob): with exactly two batch tiles, 2 x 2 tiles: ranks r and
+        #   r ^ 1 compute the two batch tiles of one W tile and share W, ranks r and r ^ 2 the
+        #   same batch tile of neighbouring W tiles and share x; every operand leaves L2 once
+        #   per pair (at o_proj 256 rows, 245 MB of L2 reads instead of 373).
+        shares_w = self.ctas % 2 == 0 and self.batch_tiles % 2 == 0
+        shares_x = self.ctas % 2 == 0 and self.batch_tiles == 1 and self.tiles % 2 == 0
+        shares_both = self.ctas % 4 == 0 and self.batch_tiles == 2 and self.tiles % 4 == 0
+        self.pair_shares = "w" if shares_w else "x" if shares_x else None
         if cluster is None:
-            cluster = 2 if self.pair_shares == "w" or (self.pair_shares == "x" and self.tiles > self.ctas) else 1
-        if cluster not in (1, 2) or (cluster == 2 and not self.pair_shares):
-            raise ValueError(f"cluster={cluster} unsupported here (1, or 2 with an even grid ({self.ctas} "
+            cluster = 2 if shares_w or (shares_x and self.tiles > self.ctas) else 1
+        if cluster not in (1, 2, 4) or (cluster == 2 and not self.pair_shares) or (cluster == 4 and not shares_both):
+            raise ValueError(f"cluster={cluster} unsupported here (1; 2 with an even grid ({self.ctas} "
                              f"CTAs) and an even number of batch tiles ({self.batch_tiles}) or one batch "
-                             f"tile and an even number of W tiles ({self.n_tiles}))")
-        if cluster == 1:
-            self.pair_shares = None
+                             f"tile and an even number of W tiles ({self.n_tiles}); 4 with two batch "
+                             f"tiles and a grid and tile count that are multiples of 4)")
+        self.pair_shares = {1: None, 2: self.pair_shares, 4: "w+x"}[cluster]
         self.cluster = int(cluster)
-        # CTAs each x / W box is multicast into (the pair for the shared operand, else 1).
-        self.x_multicast = 2 if self.pair_shares == "x" else 1
-        self.w_multicast = 2 if self.pair_shares == "w" else 1
+        # CTAs each x / W box is multicast into (the group sharing that operand, else 1). A CTA's
+        # cluster rank is x_rank * w_multicast + w_rank (CuTe's (w, x) layout of the cluster).
+        self.x_multicast = 2 if self.pair_shares in ("x", "w+x") else 1
+        self.w_multicast = 2 if self.pair_shares in ("w", "w+x") else 1
         self.k_blocks = self.k // BLOCK_K
         self.threads = 128 * self.wgs + 32        # + one producer warp
         self.producer_warp = 4 * self.wgs
@@ -548,18 +552,41 @@ class WideGemmKernel:
                 origin = (first, 0)
                 if const_expr(cfg.w_blocked):
                     origin = ((first % rows, first // rows), 0)
-                if p % cfg.w_multicast == rank % cfg.w_multicast:
+                if p % cfg.w_multicast == self.w_rank(rank):
                     gW = cute.local_tile(cute.domain_offset(origin, mW_tma), (cfg.w_box_rows, BLOCK_K), (0, None))
                     tWsW, tWgW = cpasync.tma_partition(
                         tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
                     tma_load(tma_w, tWgW[(None, kb)], tWsW[(None, (p, stage))], bar,
-                             cfg.w_multicast, cache_policy=evict_first)
+                             cfg.w_multicast, cache_policy=evict_first, mask=self.w_mask(rank))
         else:
             gW = cute.local_tile(cute.domain_offset((n_blk * cfg.n_tile, 0), mW_tma), (cfg.n_tile, BLOCK_K), (0, None))
             tWsW, tWgW = cpasync.tma_partition(
-                tma_w, rank % cfg.w_multicast, cute.make_layout(cfg.w_multicast), cute.group_modes(sW, 0, 2),
+                tma_w, self.w_rank(rank), cute.make_layout(cfg.w_multicast), cute.group_modes(sW, 0, 2),
                 cute.group_modes(gW, 0, 2))
-            tma_load(tma_w, tWgW[(None, kb)], tWsW[(None, stage)], bar, cfg.w_multicast, cache_policy=evict_first)
+            tma_load(tma_w, tWgW[(None, kb)], tWsW[(None, stage)], bar, cfg.w_multicast, cache_policy=evict_first,
+                     mask=self.w_mask(rank))
+
+    # A CTA's place in its cluster: rank = x_rank * w_multicast + w_rank (WideGemmConfig), so the
+    # CTAs sharing its W are w_multicast consecutive ranks and those sharing its x are
+    # w_multicast ranks apart.
+    def w_rank(self, rank):
+        """Which share of each W box this CTA loads (0 without W sharing)."""
+        return rank % self.cfg.w_multicast
+
+    def x_rank(self, rank):
+        """Which share of each x box this CTA loads (0 without x sharing)."""
+        return rank // self.cfg.w_multicast
+
+    def w_mask(self, rank):
+        """The cluster ranks this CTA's W loads land in: its W-sharing group."""
+        cfg = self.cfg
+        return Int16(Int32((1 << cfg.w_multicast) - 1) << (self.x_rank(rank) * cfg.w_multicast))
+
+    def x_mask(self, rank):
+        """The cluster ranks this CTA's x loads land in: its x-sharing group."""
+        cfg = self.cfg
+        group = sum(1 << (j * cfg.w_multicast) for j in range(cfg.x_multicast))
+        return Int16(Int32(group) << self.w_rank(rank))
 
     @cute.jit
     def load_x(self, tma_x, mX_tma, sX, cta, rank, i: Int32, stage: Int32, bar):
@@ -573,9 +600,10 @@ class WideGemmKernel:
             _, start = self.x_rows(b_blk, w)
             gX = cute.local_tile(cute.domain_offset((start, 0), mX_tma), (cfg.x_box_rows, BLOCK_K), (0, None))
             tXsX, tXgX = cpasync.tma_partition(
-                tma_x, rank % x_mcast, cute.make_layout(x_mcast), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+                tma_x, self.x_rank(rank), cute.make_layout(x_mcast), cute.group_modes(sX, 0, 2),
+                cute.group_modes(gX, 0, 2))
             tma_load(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)], bar,
-                     x_mcast)
+                     x_mcast, mask=self.x_mask(rank))
 
     @cute.jit
     def consumer(self, tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane):

@@ -107,13 +107,13 @@ def tma_load_op(multicast: int):
     return cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
 
 
-def tma_load(atom, src, dst, bar, multicast: int, cache_policy=None) -> None:
+def tma_load(atom, src, dst, bar, multicast: int, cache_policy=None, mask=None) -> None:
     """Issue one TMA box load of ``atom`` (made with tma_load_op(multicast)) completing on the
-    mbarrier ``bar``: multicast into the first ``multicast`` CTAs of the cluster, with the L2
-    ``cache_policy`` hint if given."""
+    mbarrier ``bar``: multicast into the CTAs of the cluster that ``mask`` names (one bit per
+    CTA rank; by default the first ``multicast``), with the L2 ``cache_policy`` hint if given."""
     hints = {} if cache_policy is None else {"cache_policy": cache_policy}
     if multicast > 1:
-        hints["mcast_mask"] = Int16((1 << multicast) - 1)
+        hints["mcast_mask"] = Int16((1 << multicast) - 1) if mask is None else mask
     cute.copy(atom, src, dst, tma_bar_ptr=bar, **hints)
 
 

@@ -126,6 +126,14 @@ TUNING_CASES = [
     (256, 1024, 320, None, dict(wide=1, n_tile=80, w_blocked=1, w_block_rows=16)),
     (128, 18432, 7168, None, dict(wide=1, cluster=1, w_blocked=1, w_block_rows=16)),
     (64, 1024, 36864, None, dict(wide=1, n_tile=64, w_blocked=1, w_block_rows=16)),
+    # Clusters of four (2 x 2 tiles): W shared by the pair of batch tiles, x by the pair of W
+    # tiles: one tile per CTA, several (x boxes moved back), W in pieces of blocks, 16-row
+    # blocks in half boxes, silu_mul's gate and up boxes.
+    (256, 8192, 7168, None, dict(wide=1, cluster=4)),
+    (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=4)),
+    (256, 7168, 10240, None, dict(wide=1, cluster=4, w_blocked=1)),
+    (256, 7168, 10240, None, dict(wide=1, cluster=4, w_blocked=1, w_block_rows=16)),
+    (256, 7168, 36864, "silu_mul", dict(wide=1, cluster=4)),
     # silu_mul on the whole-K tiles (gate and up rows as two boxes into one stage, the
     # epilogue pairing accumulator j with j + n_tile / 4): W pairs, x pairs over several
     # waves, 64-row blocks in pieces, 16-row blocks, a moved-back batch tile, few rows.

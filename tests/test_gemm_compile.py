@@ -778,6 +778,7 @@ def test_wide_x_boxes_trimmed_below_48_rows():
     (3, 2816, 1024, {"n_tile": 64, "batch_tile": 128}),
     (40, 7168, 10240, {}),                    # x boxes of 48 rows (x_trim)
     (64, 8192, 7168, {"cluster": 2}),         # one batch tile: x shared by pairs of W tiles
+    (256, 8192, 7168, {"cluster": 4}),        # 2 x 2 tiles: W shared by pairs and x by pairs
 ])
 def test_wide_ptx(m, k, n, tuning):
     cfg = gemm.plan(m, k, n, None, 132, wide=1, **tuning)
@@ -799,13 +800,13 @@ def test_wide_ptx(m, k, n, tuning):
     assert not re.search(r"(?<![\w.])(atom|red)\.", ptx)
     # y: one 4-byte store per pair of adjacent columns (two bf16 rounded by one cvt).
     assert "st.global.b32" in ptx and "cvt.rn.bf16x2.f32" in ptx and "st.global.b16" not in ptx
-    # Clusters of two: the shared operand (x's or W's loads, never both) multicast into both
-    # CTAs, stages released in both.
+    # Clusters: the shared operand (x's or W's loads, both in clusters of four) multicast into
+    # the CTAs sharing it, stages released in every CTA of the cluster.
     evict_first = {r for r, v in re.findall(r"mov\.b64\s+(%rd\d+),\s*(\d+);", ptx) if int(v) == EVICT_FIRST}
     multicast = {line.rstrip(";").split(",")[-1].strip() in evict_first     # W's loads carry that hint
                  for line in ptx.splitlines() if "cp.async.bulk.tensor" in line and "multicast::cluster" in line}
-    assert multicast == ({"x": {False}, "w": {True}, None: set()}[cfg.pair_shares])
-    assert ("mbarrier.arrive.shared::cluster" in ptx) == (cfg.cluster == 2)
+    assert multicast == ({"x": {False}, "w": {True}, "w+x": {False, True}, None: set()}[cfg.pair_shares])
+    assert ("mbarrier.arrive.shared::cluster" in ptx) == (cfg.cluster > 1)
 
 
 @pytest.mark.parametrize("m, tuning, boxes, pair", [

@@ -152,6 +152,7 @@ def _capture(fn, warmup: bool = True, programmatic_edges: int = 0):
     (1, 1024, 1024, None, {}),
     (256, 8192, 7168, None, {"wide": 0}),
     (256, 8192, 7168, None, {}),        # the whole-K tiles
+    (256, 8192, 7168, None, {"cluster": 4}),                # ... in clusters of four (W and x shared)
     (200, 1024, 4096, None, {"wide": 1, "n_tile": 16}),     # ... several per CTA
 ])
 def test_graph_replay_is_bitwise_deterministic(m, k, n, epilogue, tuning):
