@@ -25,6 +25,12 @@ Structure
   pair. Where the batch tiles and the grid are even, the pair is the two batch tiles of a W
   tile and shares W; with a single batch tile (M <= 128) and several tiles per CTA it is two
   neighbouring W tiles and shares x (``pair_shares``; measured slower with one tile per CTA).
+  With exactly two batch tiles a cluster of four (``cluster=4``, a knob) does both: 2 x 2
+  tiles, W shared by the two batch tiles and x by the two W tiles, each load multicast into
+  its own pair only. Measured slower (bench/gemm_notes.md §42): an H100 does not hold 32
+  four-CTA clusters of these 200-220 KB CTAs at once, so at 128-132 CTAs the last run as a
+  second wave (1.6x), and at 112 CTAs, where all 28 fit, the 20 idle SMs cost more than the
+  L2 reads saved (+4-6% at 256 rows).
 * **Batch rows past M**: a warpgroup's 64-row x box that would reach past row M is moved back
   to end at M (``x_rows``; rows computed twice are stored once), because TMA's zero fill of
   the rows past x cost up to 40% at 160-200 rows. Below 48 rows, where no box can move back,
@@ -201,7 +207,9 @@ class WideGemmConfig:
         # * "w+x" (``cluster=4``, a knob): with exactly two batch tiles, 2 x 2 tiles: ranks r and
         #   r ^ 1 compute the two batch tiles of one W tile and share W, ranks r and r ^ 2 the
         #   same batch tile of neighbouring W tiles and share x; every operand leaves L2 once
-        #   per pair (at o_proj 256 rows, 245 MB of L2 reads instead of 373).
+        #   per pair (at o_proj 256 rows, 245 MB of L2 reads instead of 373). Slower wherever
+        #   measured (§42): clusters of four do not all co-reside at 128-132 CTAs, and with 112
+        #   CTAs the idle SMs cost more than the saved reads; so never a default.
         shares_w = self.ctas % 2 == 0 and self.batch_tiles % 2 == 0
         shares_x = self.ctas % 2 == 0 and self.batch_tiles == 1 and self.tiles % 2 == 0
         shares_both = self.ctas % 4 == 0 and self.batch_tiles == 2 and self.tiles % 4 == 0
