@@ -171,19 +171,23 @@ def reads_blocks_with(m: int, k: int, n: int, epilogue, knobs: dict) -> bool:
     return True
 
 
-def variants(m: int, k: int, n: int, epilogue, explicit=None) -> list[tuple[str, dict]]:
-    """The tuning alternatives (``explicit`` or else ``variant_tunings``) legal for this shape."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+def variants(m: int, k: int, n: int, epilogue, explicit=None, sms: int = gemm.DEFAULT_SMS
+             ) -> tuple[list[tuple[str, dict]], dict[str, str]]:
+    """The tuning alternatives (``explicit`` or else ``variant_tunings``) legal for this shape,
+    and {label: why not} for those ``gemm.plan`` refuses here (printed with the row, so that a
+    knob that is never legal is not silently missing from the table)."""
     base = gemm.GemmConfig(m, k, n, epilogue, sms)
-    out = []
+    legal, refused = [], {}
     for label, tuning in explicit or variant_tunings(base):
         try:      # (w_block_rows=16 implies blocks: order_of in bench_one)
             gemm.plan(m, k, n, epilogue, **{"ctas": sms, **tuning,
                                             **({"w_blocked": 1} if "w_block_rows" in tuning else {})})
-        except ValueError:
+        except ValueError as e:
+            if explicit:            # (the default alternatives are simply those that apply)
+                refused[label] = str(e)
             continue
-        out.append((label, tuning))
-    return out
+        legal.append((label, tuning))
+    return legal, refused
 
 
 def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
@@ -213,8 +217,8 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         default = rows != weight_blocks.BLOCK or (default_blocked and reads_blocks_with(m, k, n, epilogue, knobs))
         return knobs, rows if tuning.get("w_blocked", default) else 0
 
-    orders = {order_of({})[1]} | ({order_of(t)[1] for _, t in variants(m, k, n, epilogue, args.tunings)}
-                                   if args.variants else set())
+    timed, refused = variants(m, k, n, epilogue, args.tunings, sms) if args.variants else ([], {})
+    orders = {order_of({})[1]} | {order_of(t)[1] for _, t in timed}
     ws_in = {rows: [weight_blocks.to_blocks(w, rows) for w in ws] if rows else ws for rows in orders}
 
     def weights_and_knobs(tuning):
@@ -255,13 +259,12 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
 
     fns = {"ours_pdl_s": ours(True, {}), "ours_nopdl_s": ours(False, {}), "cublas_s": cublas(False)}
     checked = {}
-    if args.variants:
-        for label, tuning in variants(m, k, n, epilogue, args.tunings):
-            var_out = torch.empty_like(outs[0])
-            w_in, knobs = weights_and_knobs(tuning)
-            gemm.linear(xs[0], w_in[0], var_out, epilogue=epilogue, use_pdl=False, **knobs)
-            checked[label] = (tuning, ((var_out.float() - ref).norm() / ref.norm()).item())
-            fns[f"variant {label}"] = ours(True, tuning)
+    for label, tuning in timed:
+        var_out = torch.empty_like(outs[0])
+        w_in, knobs = weights_and_knobs(tuning)
+        gemm.linear(xs[0], w_in[0], var_out, epilogue=epilogue, use_pdl=False, **knobs)
+        checked[label] = (tuning, ((var_out.float() - ref).norm() / ref.norm()).item())
+        fns[f"variant {label}"] = ours(True, tuning)
     if epilogue == "silu_mul":
         fns["cublas_act_s"] = cublas(True)
     graphs = {label: _capture(fn) for label, fn in fns.items()}
@@ -277,6 +280,7 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         "variants": {label: {"tuning": tuning, "pdl_s": per_call[f"variant {label}"], "rel_err": var_err,
                              "rounds_s": passes[f"variant {label}"]}
                      for label, (tuning, var_err) in checked.items()},
+        "refused_tunings": refused,
         "rounds_s": {label: ts for label, ts in passes.items() if not label.startswith("variant ")},
     }
     row["floor_s"] = max(row["floor_bytes_s"], row["floor_flops_s"])
@@ -292,7 +296,9 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
     return row
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before any GPU work: batch sizes the kernel takes, shape names
+    that exist, and no ``--tunings`` beside ``--no-variants`` (which would drop them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="JSON file (default bench/results/gemm_<date>.json)")
     ap.add_argument("--m", default="1,8,64,256", help="batch sizes, comma-separated")
@@ -311,15 +317,33 @@ def main() -> None:
     ap.add_argument("--tunings", type=parse_tunings, default=None,
                     help='time these alternatives instead of the default variants, e.g. '
                          '"ctas=112;ctas=112,l2_prefetch=0"')
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.rounds < 1 or args.replays < 1:
         ap.error(f"--rounds and --replays must be at least 1 (got {args.rounds}, {args.replays})")
+    if args.tunings and not args.variants:
+        ap.error("--no-variants times only the default configuration and would drop --tunings: "
+                 "give one or the other")
+    try:
+        args.ms = [int(v) for v in args.m.split(",")]
+    except ValueError:
+        ap.error(f"--m {args.m!r}: batch sizes are comma-separated integers")
+    if bad := [m for m in args.ms if not 1 <= m <= gemm.MAX_M]:
+        ap.error(f"--m: {bad} outside 1..{gemm.MAX_M}, the batch sizes the decode GEMM takes")
+    args.shape_rows = {"big": BIG_SHAPES, "tiny": TINY_SHAPES, "all": BIG_SHAPES + TINY_SHAPES}[args.shapes]
+    if args.only:
+        names = args.only.split(",")
+        if unknown := [name for name in names if name not in {s[0] for s in args.shape_rows}]:
+            ap.error(f"--only: no shape {', '.join(unknown)} in --shapes {args.shapes} "
+                     f"({', '.join(s[0] for s in args.shape_rows)})")
+        args.shape_rows = [s for s in args.shape_rows if s[0] in names]
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
 
     props = torch.cuda.get_device_properties(0)
-    shapes = {"big": BIG_SHAPES, "tiny": TINY_SHAPES, "all": BIG_SHAPES + TINY_SHAPES}[args.shapes]
-    if args.only:
-        shapes = [s for s in shapes if s[0] in args.only.split(",")]
-    ms = [int(v) for v in args.m.split(",")]
+    shapes, ms = args.shape_rows, args.ms
     args.floor = floor = device_floor_bandwidth()
     copy_bw, read_bw = floor["copy_bytes_per_s"], floor["read_bytes_per_s"]
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB; "
@@ -347,6 +371,8 @@ def main() -> None:
                   f"{r['rel_err']:>8.1e}  {var}"
                   + (f"  (cublas+act {r['cublas_act_s'] * 1e6:.2f} us)" if "cublas_act_s" in r else ""),
                   flush=True)
+            for label, why in r["refused_tunings"].items():
+                print(f"{'':<17}{label}: not timed, gemm.plan refuses it here: {why}", flush=True)
             for label, p in r.get("power", {}).items():
                 if p:
                     print(f"{'':<17}{label.removesuffix('_s')}: {p['power_w']:.0f} W, SM {p['sm_mhz']:.0f} MHz, "

@@ -300,3 +300,36 @@ def test_every_bench_script_explains_itself_on_a_machine_without_a_gpu(script):
 
 def _docstring(path):
     return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def test_gemm_bench_checks_its_command_line_before_any_gpu_work(monkeypatch, capsys):
+    """bench/gemm.py refuses what it would otherwise drop or fail on mid-run: --tunings beside
+    --no-variants, a batch size the decode GEMM does not take, a shape name not in --shapes;
+    and it parses a good line into the rows it will time."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = _load("gemm")
+    for argv, says in [(["--no-variants", "--tunings", "cluster=4"], "would drop --tunings"),
+                       (["--m", "1,300"], "[300] outside 1..256"),
+                       (["--m", "8,x"], "comma-separated integers"),
+                       (["--only", "qkv,o_prj"], "no shape o_prj in --shapes big")]:
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert says in capsys.readouterr().err
+    args = bench.parse_args(["--only", "qkv,down", "--m", "1,256", "--tunings", "cluster=4;wide=1"])
+    assert ([s[0] for s in args.shape_rows], args.ms) == (["down", "qkv"], [1, 256])
+    assert args.tunings == [("cluster4", {"cluster": 4}), ("wide1", {"wide": 1})]
+
+
+def test_gemm_bench_names_the_tunings_it_cannot_time(monkeypatch):
+    """An explicit tuning that gemm.plan refuses at a row is reported with the reason, not
+    silently left out; the default alternatives are just the ones that apply."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = _load("gemm")
+    explicit = [("wide1_cluster4", {"wide": 1, "cluster": 4}), ("wide1", {"wide": 1})]
+    timed, refused = bench.variants(64, 8192, 7168, None, explicit, 132)   # one batch tile
+    assert [label for label, _ in timed] == ["wide1"] and list(refused) == ["wide1_cluster4"]
+    assert "cluster=4 unsupported here" in refused["wide1_cluster4"]
+    timed, refused = bench.variants(256, 8192, 7168, None, explicit, 132)   # two
+    assert [label for label, _ in timed] == ["wide1_cluster4", "wide1"] and refused == {}
+    timed, refused = bench.variants(8, 8192, 7168, None, None, 132)
+    assert timed and refused == {}
