@@ -331,10 +331,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--m: {bad} outside 1..{gemm.MAX_M}, the batch sizes the decode GEMM takes")
     args.shape_rows = {"big": BIG_SHAPES, "tiny": TINY_SHAPES, "all": BIG_SHAPES + TINY_SHAPES}[args.shapes]
     if args.only:
-        names = args.only.split(",")
-        if unknown := [name for name in names if name not in {s[0] for s in args.shape_rows}]:
-            ap.error(f"--only: no shape {', '.join(unknown)} in --shapes {args.shapes} "
-                     f"({', '.join(s[0] for s in args.shape_rows)})")
+        names, known = args.only.split(","), [row[0] for row in args.shape_rows]
+        if unknown := [name for name in names if name not in known]:
+            ap.error(f"--only: no shape {', '.join(unknown)} in --shapes {args.shapes} ({', '.join(known)})")
         args.shape_rows = [s for s in args.shape_rows if s[0] in names]
     return args
 
