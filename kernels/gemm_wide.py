@@ -20,27 +20,30 @@ Structure
 * **Tile shape** (``WideGemmConfig.choose_tile``): the largest (batch_tile, n_tile), counting
   only batch rows < M, whose tile count fills the grid's waves within 3% of the best (o_proj
   at 256 rows: 2 x 64 tiles of 128 x 112 on 132 SMs, 97%; at 128 rows 2 x 64 tiles of 64 x 112).
-* **Pairs of CTAs** (``cluster``): two CTAs that read the same operand form a cluster; each
-  loads half of that operand's box and multicasts it into both, so it leaves L2 once per
-  pair. Where the batch tiles and the grid are even, the pair is the two batch tiles of a W
-  tile and shares W; with a single batch tile (M <= 128) and several tiles per CTA it is two
-  neighbouring W tiles and shares x (``pair_shares``; measured slower with one tile per CTA).
-  With exactly two batch tiles a cluster of four (``cluster=4``, a knob) does both: 2 x 2
-  tiles, W shared by the two batch tiles and x by the two W tiles, each load multicast into
-  its own pair only. Measured slower (bench/gemm_notes.md §42): an H100 does not hold 32
-  four-CTA clusters of these 200-220 KB CTAs at once, so at 128-132 CTAs the last run as a
-  second wave (1.6x), and at 112 CTAs, where all 28 fit, the 20 idle SMs cost more than the
-  L2 reads saved (+4-6% at 256 rows).
+* **Clusters of CTAs** (``cluster``, ``x_group``): CTAs that read the same operand form a
+  cluster; each loads its share of that operand's box and multicasts it into all of them, so
+  it leaves L2 once per cluster. By default, where the batch tiles and the grid are even, a pair
+  is the two batch tiles of a W tile and shares W; with a single batch tile (M <= 128) and
+  several tiles per CTA it is two neighbouring W tiles and shares x (``cluster_shares``;
+  measured slower with one tile per CTA). As knobs: ``x_group`` = 2 or 4 neighbouring W tiles
+  sharing x with any number of batch tiles (cuBLAS's 4 x 1 cluster at qkv 192 rows), and
+  ``cluster=4`` over an even number of batch tiles, 2 x 2 tiles, W shared by the two batch
+  tiles and x by the two W tiles, each load multicast into its own pair only. The 2 x 2
+  clusters measured slower (bench/gemm_notes.md §42): an H100 does not hold 32 four-CTA
+  clusters of these 200-220 KB CTAs at once, so at 128-132 CTAs the last run as a second wave
+  (1.6x), and at 112 CTAs, where all 28 fit, the 20 idle SMs cost more than the L2 reads saved
+  (+4-6% at 256 rows). ``WideGemmConfig.tile_coords`` numbers the tiles so that a cluster's
+  CTAs compute such a group at every step of the persistent loop.
 * **Batch rows past M**: a warpgroup's 64-row x box that would reach past row M is moved back
   to end at M (``x_rows``; rows computed twice are stored once), because TMA's zero fill of
   the rows past x cost up to 40% at 160-200 rows. Below 48 rows, where no box can move back,
   the box holds only x's rows rounded up to 16 (``x_trim``; 8-26% faster than a 64-row box
   at 32-40 rows, bench/gemm_notes.md §24).
-* **Persistent grid**: ``min(tiles, SMs)`` CTAs; CTA c computes tiles c, c + ctas, ... (tile t
-  is W tile t // batch_tiles, batch tile t % batch_tiles, so the CTAs that read the same W
-  tile run side by side and the second read hits L2). The producer warp streams (W, x) stages
-  through all of its tiles without a break; the consumers drain each tile's wgmma, store it
-  and go on.
+* **Persistent grid**: ``min(tiles, SMs)`` CTAs; CTA c computes tiles c, c + ctas, ... (without
+  a cluster tile t is W tile t // batch_tiles, batch tile t % batch_tiles, so the CTAs that read
+  the same W tile run side by side and the second read hits L2; ``tile_coords``). The producer
+  warp streams (W, x) stages through all of its tiles without a break; the consumers drain
+  each tile's wgmma, store it and go on.
 * **Pipeline**: as in kernels/gemm.py: a producer warp issues TMA loads of the stage's W
   (one n_tile x 64 box on rows; its 16-row pieces in blocks; two half boxes with silu_mul,
   ``WideGemmConfig.w_boxes_of_stage``) and one x box per consumer warpgroup (64 x 64) per
@@ -97,7 +100,7 @@ PROLOGUE_INPUTS = ("weight",)
 WAITS = True
 TRIGGER = "early"
 
-TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_trim", "w_blocked", "w_block_rows")
+TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_group", "x_trim", "w_blocked", "w_block_rows")
 EPILOGUES = (None, "silu_mul")
 BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
 WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
@@ -159,12 +162,12 @@ def n_tile_step(epilogue: str | None) -> int:
 
 class WideGemmConfig:
     """Every static decision for one (M, K, N, epilogue, ctas[, batch_tile, n_tile, stages, cluster,
-    x_trim, w_blocked, w_block_rows])."""
+    x_group, x_trim, w_blocked, w_block_rows])."""
 
     def __init__(self, m: int, k: int, n: int, ctas: int, epilogue: str | None = None, *,
                  batch_tile: int | None = None, n_tile: int | None = None, stages: int | None = None,
-                 cluster: int | None = None, x_trim: int | None = None, w_blocked: int | None = None,
-                 w_block_rows: int | None = None):
+                 cluster: int | None = None, x_group: int | None = None, x_trim: int | None = None,
+                 w_blocked: int | None = None, w_block_rows: int | None = None):
         if epilogue not in EPILOGUES:
             raise ValueError(f"wide decode GEMM: epilogue={epilogue!r} unsupported: one of {EPILOGUES}")
         step = n_tile_step(epilogue)
@@ -193,40 +196,42 @@ class WideGemmConfig:
         self.ctas = min(self.tiles, self.sms)
         # Clusters of CTAs that share an operand: each loads its share of the shared box and
         # multicasts it into every CTA that reads it, so that operand leaves L2 once per group,
-        # for a cluster that refills a stage only when all of its CTAs have released it.
-        # * "w": pairs, the two batch tiles of one W tile (CTAs 2j, 2j + 1 compute tiles of the
-        #   same W tile at every step of the persistent loop when the batch tiles and the grid
-        #   are even): cuBLAS's 2 x 1 cluster at 256 rows. Measured on an H200 at 240-256 rows
-        #   (bench/gemm_notes.md §21): qkv -5 to -14%, o_proj -1 to -10%, down +-3%.
-        # * "x": with one batch tile (M <= batch_tile), pairs of two neighbouring W tiles of it
-        #   (an even tile count and grid give both CTAs of a pair the same number of tiles), so
-        #   the x boxes, re-read for every tile, leave L2 once per pair. Measured (§22): -4% on
-        #   lm_head at 128 rows (640 tiles, 5 per CTA), but +1 to +5% wherever each CTA
-        #   computes one tile (qkv at 64 and 128 rows, o_proj at 64); so by default only over
-        #   several waves.
-        # * "w+x" (``cluster=4``, a knob): with exactly two batch tiles, 2 x 2 tiles: ranks r and
-        #   r ^ 1 compute the two batch tiles of one W tile and share W, ranks r and r ^ 2 the
-        #   same batch tile of neighbouring W tiles and share x; every operand leaves L2 once
-        #   per pair (at o_proj 256 rows, 245 MB of L2 reads instead of 373). Slower wherever
-        #   measured (§42): clusters of four do not all co-reside at 128-132 CTAs, and with 112
-        #   CTAs the idle SMs cost more than the saved reads; so never a default.
+        # for a cluster that refills a stage only when all of its CTAs have released it. A
+        # cluster is ``x_group`` neighbouring W tiles (sharing x) times ``cluster / x_group``
+        # neighbouring batch tiles (sharing W); ``tile_coords`` numbers the tiles so that the
+        # CTAs of a cluster always compute such a group.
+        # * "w": pairs, the two batch tiles of one W tile: cuBLAS's 2 x 1 cluster at 256 rows.
+        #   Measured on an H200 at 240-256 rows (bench/gemm_notes.md §21): qkv -5 to -14%,
+        #   o_proj -1 to -10%, down +-3%. The default wherever the batch tiles and grid are even.
+        # * "x": pairs (or fours) of neighbouring W tiles of one batch tile, so the x boxes,
+        #   re-read for every W tile, leave L2 once per group. Measured (§22): -4% on lm_head at
+        #   128 rows (640 tiles, 5 per CTA), but +1 to +5% wherever each CTA computes one tile
+        #   (qkv at 64 and 128 rows, o_proj at 64); so by default only with one batch tile over
+        #   several waves. Fours are cuBLAS's 4 x 1 cluster at qkv 192 rows (256 x 64 tiles).
+        # * "w+x" (``cluster=4`` with an even number of batch tiles): 2 x 2 tiles, W shared by
+        #   the two batch tiles and x by the two W tiles (at o_proj 256 rows, 245 MB of L2 reads
+        #   instead of 373). Slower wherever measured (§42): clusters of four do not all
+        #   co-reside at 128-132 CTAs, and with 112 CTAs the idle SMs cost more than the saved
+        #   reads; so never a default.
         shares_w = self.ctas % 2 == 0 and self.batch_tiles % 2 == 0
         shares_x = self.ctas % 2 == 0 and self.batch_tiles == 1 and self.tiles % 2 == 0
-        shares_both = self.ctas % 4 == 0 and self.batch_tiles == 2 and self.tiles % 4 == 0
-        self.pair_shares = "w" if shares_w else "x" if shares_x else None
         if cluster is None:
             cluster = 2 if shares_w or (shares_x and self.tiles > self.ctas) else 1
-        if cluster not in (1, 2, 4) or (cluster == 2 and not self.pair_shares) or (cluster == 4 and not shares_both):
-            raise ValueError(f"cluster={cluster} unsupported here (1; 2 with an even grid ({self.ctas} "
-                             f"CTAs) and an even number of batch tiles ({self.batch_tiles}) or one batch "
-                             f"tile and an even number of W tiles ({self.n_tiles}); 4 with two batch "
-                             f"tiles and a grid and tile count that are multiples of 4)")
-        self.pair_shares = {1: None, 2: self.pair_shares, 4: "w+x"}[cluster]
-        self.cluster = int(cluster)
+        if x_group is None:     # W pairs where the batch tiles pair up, the rest of the cluster x
+            x_group = cluster // 2 if cluster > 1 and self.batch_tiles % 2 == 0 else cluster
+        w_group = cluster // x_group if x_group and cluster % x_group == 0 else 0
+        if not (cluster in (1, 2, 4) and x_group in (1, 2, 4) and w_group in (1, 2)
+                and self.batch_tiles % w_group == 0 and self.n_tiles % x_group == 0 and self.ctas % cluster == 0):
+            raise ValueError(
+                f"cluster={cluster}, x_group={x_group} unsupported here: a cluster is x_group (1, 2 or 4) "
+                f"neighbouring W tiles of {self.n_tiles} times 1 or 2 batch tiles of {self.batch_tiles} "
+                f"(each count dividing its tiles), on a grid ({self.ctas} CTAs) that is a multiple of it")
+        self.cluster, self.x_group = int(cluster), int(x_group)
         # CTAs each x / W box is multicast into (the group sharing that operand, else 1). A CTA's
         # cluster rank is x_rank * w_multicast + w_rank (CuTe's (w, x) layout of the cluster).
-        self.x_multicast = 2 if self.pair_shares in ("x", "w+x") else 1
-        self.w_multicast = 2 if self.pair_shares in ("w", "w+x") else 1
+        self.x_multicast, self.w_multicast = self.x_group, w_group
+        self.cluster_shares = {(1, 1): None, (2, 1): "w", (1, 2): "x", (1, 4): "x", (2, 2): "w+x"}[
+            (self.w_multicast, self.x_multicast)]
         self.k_blocks = self.k // BLOCK_K
         self.threads = 128 * self.wgs + 32        # + one producer warp
         self.producer_warp = 4 * self.wgs
@@ -346,12 +351,28 @@ class WideGemmConfig:
         """The tiles CTA ``cta`` computes, in order (the kernel's persistent loop)."""
         return list(range(cta, self.tiles, self.ctas))
 
+    def tile_coords(self, tile):
+        """(W tile, batch tile) of tile number ``tile`` (an int, or the kernel's Int32). The
+        numbers go in groups of ``cluster``, one group per cluster and step of the persistent
+        loop (the grid is a multiple of the cluster, so a CTA's rank is its tile number modulo
+        the cluster): rank r computes W tile ``x_multicast * g_w + r // w_multicast`` of batch
+        tile ``w_multicast * g_b + r % w_multicast``, so the ranks sharing W hold one W tile
+        and those sharing x one batch tile. Consecutive groups go through the batch tiles of
+        one W group first, so the CTAs that read the same W run side by side and the second
+        read hits L2. Without a cluster: W tile ``tile // batch_tiles``, batch tile ``tile %
+        batch_tiles``."""
+        rank, group = tile % self.cluster, tile // self.cluster
+        batch_groups = self.batch_tiles // self.w_multicast
+        return ((group // batch_groups) * self.x_multicast + rank // self.w_multicast,
+                (group % batch_groups) * self.w_multicast + rank % self.w_multicast)
+
     def __repr__(self) -> str:
         return (f"WideGemmConfig(m={self.m}, k={self.k}, n={self.n}, "
                 + (f"epilogue={self.epilogue!r}, " if self.epilogue else "") + f"ctas={self.ctas}, "
                 f"tile={self.batch_tile}x{self.n_tile}, tiles={self.batch_tiles}x{self.n_tiles}, "
                 f"wave_fill={self.wave_fill(self.m, self.n, self.sms, self.batch_tile, self.n_tile):.2f}, "
                 f"k_blocks={self.k_blocks}, stages={self.stages}, cluster={self.cluster}"
+                + (f" ({self.cluster_shares})" if self.cluster_shares else "")
                 + (", x_trim=1" if self.x_trim else "") + (", w_blocked=1" if self.w_blocked else "")
                 + (f", w_block_rows={self.w_block_rows}" if self.w_block_rows != weight_blocks.BLOCK else "") + ")")
 
@@ -498,10 +519,8 @@ class WideGemmKernel:
 
     @cute.jit
     def tile_coords(self, cta: Int32, local: Int32):
-        """(W tile, batch tile) of this CTA's ``local``-th tile."""
-        cfg = self.cfg
-        tile = cta + local * cfg.ctas
-        return tile // cfg.batch_tiles, tile % cfg.batch_tiles
+        """(W tile, batch tile) of this CTA's ``local``-th tile (WideGemmConfig.tile_coords)."""
+        return self.cfg.tile_coords(cta + local * self.cfg.ctas)
 
     @cute.jit
     def x_rows(self, b_blk: Int32, w: cutlass.Constexpr):

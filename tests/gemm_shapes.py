@@ -134,6 +134,15 @@ TUNING_CASES = [
     (256, 7168, 10240, None, dict(wide=1, cluster=4, w_blocked=1)),
     (256, 7168, 10240, None, dict(wide=1, cluster=4, w_blocked=1, w_block_rows=16)),
     (256, 7168, 36864, "silu_mul", dict(wide=1, cluster=4)),
+    # x shared by four neighbouring W tiles, with any number of batch tiles: cuBLAS's 4 x 1
+    # cluster at qkv 192 rows (three batch tiles of 64), two batch tiles of 128, several tiles
+    # per CTA with boxes moved back from past row M, and W pairs with x pairs over four batch
+    # tiles.
+    (192, 7168, 10240, None, dict(wide=1, batch_tile=64, n_tile=256, cluster=4)),
+    (256, 7168, 10240, None, dict(wide=1, cluster=4, x_group=4)),
+    (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=4, x_group=4)),
+    (150, 8192, 7168, None, dict(wide=1, batch_tile=64, cluster=2)),
+    (256, 1024, 4096, None, dict(wide=1, batch_tile=64, n_tile=32, cluster=4)),
     # silu_mul on the whole-K tiles (gate and up rows as two boxes into one stage, the
     # epilogue pairing accumulator j with j + n_tile / 4): W pairs, x pairs over several
     # waves, 64-row blocks in pieces, 16-row blocks, a moved-back batch tile, few rows.

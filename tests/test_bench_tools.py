@@ -325,11 +325,11 @@ def test_gemm_bench_names_the_tunings_it_cannot_time(monkeypatch):
     silently left out; the default alternatives are just the ones that apply."""
     monkeypatch.syspath_prepend(str(BENCH))
     bench = _load("gemm")
-    explicit = [("wide1_cluster4", {"wide": 1, "cluster": 4}), ("wide1", {"wide": 1})]
+    explicit = [("wide1_cluster4_xgroup2", {"wide": 1, "cluster": 4, "x_group": 2}), ("wide1", {"wide": 1})]
     timed, refused = bench.variants(64, 8192, 7168, None, explicit, 132)   # one batch tile
-    assert [label for label, _ in timed] == ["wide1"] and list(refused) == ["wide1_cluster4"]
-    assert "cluster=4 unsupported here" in refused["wide1_cluster4"]
+    assert [label for label, _ in timed] == ["wide1"] and list(refused) == ["wide1_cluster4_xgroup2"]
+    assert "cluster=4, x_group=2 unsupported here" in refused["wide1_cluster4_xgroup2"]
     timed, refused = bench.variants(256, 8192, 7168, None, explicit, 132)   # two
-    assert [label for label, _ in timed] == ["wide1_cluster4", "wide1"] and refused == {}
+    assert [label for label, _ in timed] == ["wide1_cluster4_xgroup2", "wide1"] and refused == {}
     timed, refused = bench.variants(8, 8192, 7168, None, None, 132)
     assert timed and refused == {}

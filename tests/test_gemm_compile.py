@@ -635,7 +635,7 @@ from graphc.kernels import gemm_wide  # noqa: E402
 from graphc.kernels.gemm_wide import WideGemmConfig  # noqa: E402
 
 
-@pytest.mark.parametrize("m, k, n, tile, ctas, pair_shares, default", [
+@pytest.mark.parametrize("m, k, n, tile, ctas, cluster_shares, default", [
     (256, 8192, 7168, (128, 112), 128, "w", True),     # o_proj: cuBLAS's own choice there (ncu)
     (256, 18432, 7168, (128, 112), 128, "w", True),    # down
     (256, 7168, 10240, (128, 160), 128, "w", True),    # qkv
@@ -653,17 +653,52 @@ from graphc.kernels.gemm_wide import WideGemmConfig  # noqa: E402
     (64, 8192, 7168, (64, 64), 112, None, False),      # below WIDE_MIN_M
     (64, 1024, 8384, (64, 64), 131, None, False),      # an odd number of tiles: no pairs
 ])
-def test_wide_tile_choice(m, k, n, tile, ctas, pair_shares, default):
+def test_wide_tile_choice(m, k, n, tile, ctas, cluster_shares, default):
     cfg = WideGemmConfig(m, k, n, 132)
     assert isinstance(gemm.plan(m, k, n, None, 132), WideGemmConfig) == default
     assert (cfg.batch_tile, cfg.n_tile) == tile and cfg.ctas == ctas
-    assert cfg.pair_shares == pair_shares and cfg.cluster == (2 if pair_shares else 1)
+    assert cfg.cluster_shares == cluster_shares and cfg.cluster == (2 if cluster_shares else 1)
     assert (WideGemmConfig.wave_fill(m, n, 132, *tile) >= gemm_wide.WIDE_MIN_FILL) or not default
     # Every tile computed once, by the CTAs in turn.
     done = sorted(t for c in range(cfg.ctas) for t in cfg.tiles_of(c))
     assert done == list(range(cfg.tiles))
     long_k = cfg.k_blocks >= gemm_wide.DEEP_PIPELINE_MIN_K_BLOCKS
     assert cfg.stages * cfg.stage_bytes <= (SMEM_MAX if long_k else SMEM_BUDGET)
+
+
+@pytest.mark.parametrize("m, k, n, tuning, shares", [
+    (256, 8192, 7168, {}, "w"),                                        # the default pairs
+    (128, 7168, 163840, {}, "x"),                                      # one batch tile, 5 waves
+    (256, 8192, 7168, {"cluster": 4}, "w+x"),
+    (256, 7168, 10240, {"cluster": 4, "x_group": 4}, "x"),             # two batch tiles, x in fours
+    (192, 7168, 10240, {"batch_tile": 64, "n_tile": 256, "cluster": 4}, "x"),   # cuBLAS's 4 x 1
+    (150, 8192, 7168, {"batch_tile": 64, "cluster": 2}, "x"),          # three batch tiles
+    (200, 1024, 4096, {"n_tile": 16, "cluster": 4, "x_group": 4}, "x"),  # several tiles per CTA
+    (256, 1024, 4096, {"batch_tile": 64, "n_tile": 32, "cluster": 4}, "w+x"),  # four batch tiles
+    (150, 8192, 7168, {"batch_tile": 64, "cluster": 1}, None),
+])
+def test_wide_cluster_tiles(m, k, n, tuning, shares):
+    """Every tile computed exactly once, and at every step of the persistent loop the CTAs of a
+    cluster compute the group its multicasts assume: ranks sharing W (the same x_rank) one W
+    tile, ranks sharing x (the same w_rank) one batch tile, and every CTA of a cluster the
+    same number of tiles (each stage is released by all of them)."""
+    cfg = WideGemmConfig(m, k, n, 132, **tuning)
+    assert cfg.cluster_shares == shares and cfg.cluster == cfg.x_multicast * cfg.w_multicast
+    coords = [cfg.tile_coords(t) for t in range(cfg.tiles)]
+    assert sorted(coords) == [(w, b) for w in range(cfg.n_tiles) for b in range(cfg.batch_tiles)]
+    for first in range(0, cfg.ctas, cfg.cluster):
+        ranks = range(cfg.cluster)
+        steps = {len(cfg.tiles_of(first + r)) for r in ranks}
+        assert len(steps) == 1
+        for local in range(steps.pop()):
+            tile = {r: coords[cfg.tiles_of(first + r)[local]] for r in ranks}
+            for r in ranks:
+                w_rank, x_rank = r % cfg.w_multicast, r // cfg.w_multicast
+                w_peer = x_rank * cfg.w_multicast            # rank 0 of r's W group
+                x_peer = w_rank                              # rank 0 of r's x group
+                assert tile[r][0] == tile[w_peer][0] and tile[r][1] == tile[x_peer][1]
+                # ... and the group is neighbouring tiles: W tiles x_rank apart, batch tiles w_rank.
+                assert tile[r] == (tile[0][0] + x_rank, tile[0][1] + w_rank)
 
 
 def test_wide_ring_depth_fills_more_shared_memory_only_for_a_long_k():
@@ -695,11 +730,17 @@ def test_plan_routes_between_the_two_kernels():
     assert gemm.plan(256, 8192, 7168, None, 132).cluster == 2
     assert gemm.plan(256, 8192, 7168, None, 132, cluster=1).cluster == 1
     # One batch tile: pairs of W tiles may share x; by default only over several waves.
-    assert gemm.plan(128, 7168, 10240, None, 132, cluster=2).pair_shares == "x"
-    assert gemm.plan(128, 7168, 163840, None, 132, cluster=1).pair_shares is None
-    assert gemm.plan(150, 8192, 7168, None, 132, wide=1, batch_tile=64).cluster == 1  # three batch tiles
-    with pytest.raises(ValueError, match="cluster=2 unsupported"):
-        gemm.plan(150, 8192, 7168, None, 132, wide=1, batch_tile=64, cluster=2)
+    assert gemm.plan(128, 7168, 10240, None, 132, cluster=2).cluster_shares == "x"
+    assert gemm.plan(128, 7168, 163840, None, 132, cluster=1).cluster_shares is None
+    three = gemm.plan(150, 8192, 7168, None, 132, wide=1, batch_tile=64)   # three batch tiles
+    assert three.cluster == 1 and three.batch_tiles == 3
+    # ... which no W pair divides, but whose W tiles pair or group in fours to share x.
+    assert gemm.plan(150, 8192, 7168, None, 132, wide=1, batch_tile=64, cluster=2).cluster_shares == "x"
+    assert gemm.plan(150, 8192, 7168, None, 132, wide=1, batch_tile=64, cluster=4).x_multicast == 4
+    with pytest.raises(ValueError, match="cluster=4, x_group=2 unsupported"):
+        gemm.plan(150, 8192, 7168, None, 132, wide=1, batch_tile=64, cluster=4, x_group=2)
+    with pytest.raises(ValueError, match="cluster=2, x_group=4 unsupported"):
+        gemm.plan(256, 8192, 7168, None, 132, wide=1, cluster=2, x_group=4)
     wide = gemm.plan(256, 8192, 7168, None, 132, n_tile=224, stages=3)
     assert (wide.n_tile, wide.stages, wide.batch_tile) == (224, 3, 128)
     assert gemm.cache_of(wide) is gemm_wide.compile_cache() and gemm.cache_of(gemm.plan(8, 1024, 1024)) is gemm.compile_cache()
@@ -779,6 +820,7 @@ def test_wide_x_boxes_trimmed_below_48_rows():
     (40, 7168, 10240, {}),                    # x boxes of 48 rows (x_trim)
     (64, 8192, 7168, {"cluster": 2}),         # one batch tile: x shared by pairs of W tiles
     (256, 8192, 7168, {"cluster": 4}),        # 2 x 2 tiles: W shared by pairs and x by pairs
+    (192, 7168, 10240, {"batch_tile": 64, "n_tile": 256, "cluster": 4}),   # x shared by fours
 ])
 def test_wide_ptx(m, k, n, tuning):
     cfg = gemm.plan(m, k, n, None, 132, wide=1, **tuning)
@@ -805,7 +847,7 @@ def test_wide_ptx(m, k, n, tuning):
     evict_first = {r for r, v in re.findall(r"mov\.b64\s+(%rd\d+),\s*(\d+);", ptx) if int(v) == EVICT_FIRST}
     multicast = {line.rstrip(";").split(",")[-1].strip() in evict_first     # W's loads carry that hint
                  for line in ptx.splitlines() if "cp.async.bulk.tensor" in line and "multicast::cluster" in line}
-    assert multicast == ({"x": {False}, "w": {True}, "w+x": {False, True}, None: set()}[cfg.pair_shares])
+    assert multicast == ({"x": {False}, "w": {True}, "w+x": {False, True}, None: set()}[cfg.cluster_shares])
     assert ("mbarrier.arrive.shared::cluster" in ptx) == (cfg.cluster > 1)
 
 
@@ -822,7 +864,7 @@ def test_wide_silu_mul_ptx(m, tuning, boxes, pair):
     the PDL wait; the epilogue computes silu(g) * u in fp32 (ex2, one rounding per value) and
     stores half the tile's columns."""
     cfg = gemm.plan(m, 7168, 36864, "silu_mul", 132, wide=1, **tuning)
-    assert (cfg.w_box_rows, cfg.w_boxes, cfg.w_box_step) == boxes and cfg.pair_shares == pair
+    assert (cfg.w_box_rows, cfg.w_boxes, cfg.w_box_step) == boxes and cfg.cluster_shares == pair
     # Box p's first W row: gate boxes from row n_blk * n_tile / 2, up boxes I rows further.
     half = cfg.n_tile // 2
     rows = [cfg.w_box_row(3, p) for p in range(cfg.w_boxes)]
@@ -862,7 +904,7 @@ def test_wide_ptx_w_blocked(m, k, n, tuning):
     assert {dim for dim, _ in tma} == {"2d", "4d"} and all(len(c) == int(d[0]) for d, c in tma)
     w_loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.4d" in line]
     assert len(w_loads) == 2 * cfg.w_boxes      # the prologue's and the main loop's
-    assert all(("multicast::cluster" in line) == (cfg.pair_shares == "w") for line in w_loads)
+    assert all(("multicast::cluster" in line) == (cfg.cluster_shares == "w") for line in w_loads)
 
 
 @pytest.mark.parametrize("m, k, n, rows_kernel, blocks_kernel", [
