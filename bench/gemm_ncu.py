@@ -5,7 +5,9 @@ cuBLAS's (torch.matmul) for the same problem.
         --section ComputeWorkloadAnalysis --section WarpStateStats \\
         python3 bench/gemm_ncu.py --cublas o_proj:8 o_proj:256
 
-Each argument is ``shape:M`` with a shape name of bench/gemm.py's BIG_SHAPES. Every kernel is
+Each argument is ``shape:M`` with a shape name of bench/gemm.py's BIG_SHAPES, optionally
+followed by ``:knob=value,...`` (``gemm.plan``'s knobs, e.g. ``qkv:192:wide=1,batch_tile=64``);
+each line printed names the configuration ``linear`` ran (``gemm.plan``). Every kernel is
 warmed up (compiled, workspace allocated) and then launched once more, without PDL, inside an
 NVTX range named ``profile`` (so ``--nvtx-include "profile/"`` skips the set-up kernels).
 cuBLAS's launch is the bf16 projection alone (no silu * up kernel after it).
@@ -44,19 +46,37 @@ def main() -> None:
     ap.add_argument("cases", nargs="+", metavar="shape:M")
     ap.add_argument("--cublas", action="store_true", help="also profile torch.matmul per case")
     args = ap.parse_args()
-    for arg in args.cases:
-        name, m = arg.split(":")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = [parse_case(arg) for arg in args.cases]     # every argument checked before any launch
+    for arg, (name, m, tuning) in zip(args.cases, cases):
         k, n, epi = SHAPES[name]
-        m = int(m)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
         out = torch.empty(m, n // 2 if epi else n, device="cuda", dtype=torch.bfloat16)
-        profiled(lambda: gemm.linear(x, w, out, epilogue=epi, use_pdl=False))
-        print(arg, gemm.GemmConfig(m, k, n, epi, torch.cuda.get_device_properties(0).multi_processor_count))
+        profiled(lambda: gemm.linear(x, w, out, epilogue=epi, use_pdl=False, **tuning))
+        print(arg, gemm.plan(m, k, n, epi, sms, **tuning))
         if args.cublas:
             projection = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             profiled(lambda: torch.matmul(x, w.t(), out=projection))
             print(arg, "cuBLAS (torch.matmul)")
+
+
+def parse_case(arg: str) -> tuple[str, int, dict]:
+    """``"qkv:192:wide=1,cluster=4"`` -> ("qkv", 192, {"wide": 1, "cluster": 4}); exits naming
+    the problem for an unknown shape, a bad M or a knob ``gemm.plan`` does not take."""
+    name, _, rest = arg.partition(":")
+    m_text, _, knobs = rest.partition(":")
+    if name not in SHAPES:
+        raise SystemExit(f"{arg}: unknown shape {name!r}: one of {', '.join(SHAPES)}")
+    if not m_text.isdigit() or not 1 <= int(m_text) <= gemm.MAX_M:
+        raise SystemExit(f"{arg}: M must be an integer in 1..{gemm.MAX_M}")
+    tuning = {}
+    for kv in filter(None, knobs.split(",")):
+        knob, _, value = kv.partition("=")
+        if knob not in gemm.LINEAR_KNOBS or not value.isdigit():
+            raise SystemExit(f"{arg}: {kv!r} is not knob=integer with knob one of {', '.join(gemm.LINEAR_KNOBS)}")
+        tuning[knob] = int(value)
+    return name, int(m_text), tuning
 
 
 if __name__ == "__main__":

@@ -320,6 +320,20 @@ def test_gemm_bench_checks_its_command_line_before_any_gpu_work(monkeypatch, cap
     assert args.tunings == [("cluster4", {"cluster": 4}), ("wide1", {"wide": 1})]
 
 
+def test_gemm_ncu_cases_carry_knobs(monkeypatch):
+    """bench/gemm_ncu.py's ``shape:M[:knob=value,...]``: parsed into what ``gemm.linear`` takes,
+    and a bad shape, M or knob refused by name before anything is launched."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    ncu = _load("gemm_ncu")
+    assert ncu.parse_case("qkv:192") == ("qkv", 192, {})
+    assert ncu.parse_case("qkv:192:wide=1,batch_tile=64,cluster=4") == (
+        "qkv", 192, {"wide": 1, "batch_tile": 64, "cluster": 4})
+    for arg, says in [("qvk:8", "unknown shape 'qvk'"), ("qkv:300", "M must be"),
+                      ("qkv:8:tile=64", "'tile=64' is not knob=integer"), ("qkv:8:wide=x", "'wide=x'")]:
+        with pytest.raises(SystemExit, match=says):
+            ncu.parse_case(arg)
+
+
 def test_gemm_bench_names_the_tunings_it_cannot_time(monkeypatch):
     """An explicit tuning that gemm.plan refuses at a row is reported with the reason, not
     silently left out; the default alternatives are just the ones that apply."""
