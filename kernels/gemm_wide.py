@@ -17,9 +17,6 @@ Structure
   its gate and up halves are whole 16-row pieces, ``n_tile_step``). A tile is ``batch_tile``
   (64 or 128) batch rows x ``n_tile`` W rows over the whole of K; each consumer warpgroup
   owns 64 of its batch rows, and both read the tile's W from the same shared-memory buffer.
-  With ``w_wgs=2`` (a knob, 64-row batch tiles) two warpgroups share the tile's one x buffer
-  and split its W rows, each a 64 x n_tile / 2 wgmma: cuBLAS's 256 x 64 tile at qkv 192 rows
-  leaves a single warpgroup to issue every wgmma otherwise (bench/gemm_notes.md §44).
 * **Tile shape** (``WideGemmConfig.choose_tile``): the largest (batch_tile, n_tile), counting
   only batch rows < M, whose tile count fills the grid's waves within 3% of the best (o_proj
   at 256 rows: 2 x 64 tiles of 128 x 112 on 132 SMs, 97%; at 128 rows 2 x 64 tiles of 64 x 112).
@@ -103,8 +100,7 @@ PROLOGUE_INPUTS = ("weight",)
 WAITS = True
 TRIGGER = "early"
 
-TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_group", "x_trim", "w_blocked", "w_block_rows",
-                "w_wgs")
+TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_group", "x_trim", "w_blocked", "w_block_rows")
 EPILOGUES = (None, "silu_mul")
 BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
 WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
@@ -166,12 +162,12 @@ def n_tile_step(epilogue: str | None) -> int:
 
 class WideGemmConfig:
     """Every static decision for one (M, K, N, epilogue, ctas[, batch_tile, n_tile, stages, cluster,
-    x_group, x_trim, w_blocked, w_block_rows, w_wgs])."""
+    x_group, x_trim, w_blocked, w_block_rows])."""
 
     def __init__(self, m: int, k: int, n: int, ctas: int, epilogue: str | None = None, *,
                  batch_tile: int | None = None, n_tile: int | None = None, stages: int | None = None,
                  cluster: int | None = None, x_group: int | None = None, x_trim: int | None = None,
-                 w_blocked: int | None = None, w_block_rows: int | None = None, w_wgs: int | None = None):
+                 w_blocked: int | None = None, w_block_rows: int | None = None):
         if epilogue not in EPILOGUES:
             raise ValueError(f"wide decode GEMM: epilogue={epilogue!r} unsupported: one of {EPILOGUES}")
         step = n_tile_step(epilogue)
@@ -193,19 +189,7 @@ class WideGemmConfig:
                              f"{MAX_N_TILE} dividing N={self.n}"
                              + (" (silu_mul: half gate rows, half up rows)" if self.silu else ""))
         self.batch_tile, self.n_tile = int(batch_tile), int(n_tile)
-        # Consumer warpgroups: one per 64 batch rows (``batch_wgs``, one x box each per stage),
-        # times ``w_wgs`` splitting the W tile's rows between them (a knob, 64-row batch tiles
-        # only: one warpgroup alone issues every wgmma of such a tile, bench/gemm_notes.md §44).
-        self.batch_wgs = self.batch_tile // WG_ROWS
-        if w_wgs is None:
-            w_wgs = 1
-        if w_wgs not in (1, 2) or (w_wgs == 2 and (self.batch_tile != WG_ROWS or self.silu
-                                                     or self.n_tile % (2 * N_TILE_STEP))):
-            raise ValueError(f"w_wgs={w_wgs} unsupported here (1, or 2 with 64-row batch tiles, no "
-                             f"epilogue and n_tile a multiple of {2 * N_TILE_STEP}; n_tile={self.n_tile})")
-        self.w_wgs = int(w_wgs)
-        self.wgs = self.batch_wgs * self.w_wgs
-        self.wg_n = self.n_tile // self.w_wgs     # W rows (y columns) of one warpgroup's wgmma
+        self.wgs = self.batch_tile // WG_ROWS
         self.batch_tiles = _ceil_div(self.m, self.batch_tile)
         self.n_tiles = self.n // self.n_tile
         self.tiles = self.batch_tiles * self.n_tiles
@@ -272,8 +256,8 @@ class WideGemmConfig:
         self.w_box_rows, self.w_boxes, self.w_box_step = self.w_boxes_of_stage()
         # Shared memory per stage (64-row x buffers), and what TMA delivers into it: with
         # overlapping boxes (a pair's halves of an odd block count) the shared block twice.
-        self.stage_bytes = self.batch_wgs * WG_ROWS * BLOCK_K * 2 + self.w_stage_bytes
-        self.stage_tx_bytes = (self.batch_wgs * self.x_box_rows * BLOCK_K * 2
+        self.stage_bytes = self.wgs * WG_ROWS * BLOCK_K * 2 + self.w_stage_bytes
+        self.stage_tx_bytes = (self.wgs * self.x_box_rows * BLOCK_K * 2
                                + self.w_boxes * self.w_box_rows * BLOCK_K * 2)
         # A long K takes all the shared memory it can: a PDL dependent then finds no room on our
         # SMs until we exit, which costs less than the shallower ring did.
@@ -389,7 +373,7 @@ class WideGemmConfig:
                 f"wave_fill={self.wave_fill(self.m, self.n, self.sms, self.batch_tile, self.n_tile):.2f}, "
                 f"k_blocks={self.k_blocks}, stages={self.stages}, cluster={self.cluster}"
                 + (f" ({self.cluster_shares})" if self.cluster_shares else "")
-                + (f", w_wgs={self.w_wgs}" if self.w_wgs > 1 else "") + (", x_trim=1" if self.x_trim else "") + (", w_blocked=1" if self.w_blocked else "")
+                + (", x_trim=1" if self.x_trim else "") + (", w_blocked=1" if self.w_blocked else "")
                 + (f", w_block_rows={self.w_block_rows}" if self.w_block_rows != weight_blocks.BLOCK else "") + ")")
 
 
@@ -445,11 +429,11 @@ class WideGemmKernel:
         k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
-            Float32, (1, 1, 1), tiler_mn=(WG_ROWS, cfg.wg_n),
+            Float32, (1, 1, 1), tiler_mn=(WG_ROWS, cfg.n_tile),
         )
         mma_tiler = (WG_ROWS, cfg.n_tile, BLOCK_K)
-        # Per stage: one 64 x 64 x buffer per 64 batch rows (A), one n_tile x 64 W buffer (B).
-        sX_layout = sm90_utils.make_smem_layout_a(k_major, mma_tiler, BFloat16, cfg.stages * cfg.batch_wgs)
+        # Per stage: one 64 x 64 x buffer per consumer warpgroup (A), one n_tile x 64 W buffer (B).
+        sX_layout = sm90_utils.make_smem_layout_a(k_major, mma_tiler, BFloat16, cfg.stages * cfg.wgs)
         sW_layout = sm90_utils.make_smem_layout_b(k_major, mma_tiler, BFloat16, cfg.stages)
         # In a pair each CTA loads half of the shared operand's box rows and multicasts them to both.
         x_mcast, w_mcast = cfg.x_multicast, cfg.w_multicast
@@ -513,12 +497,6 @@ class WideGemmKernel:
         sW_load = sW
         if const_expr(cfg.w_split_boxes):
             sW_load = storage.sW.get_tensor(self.w_boxes_layout(sW_layout).outer, swizzle=sW_layout.inner)
-        # What the wgmma reads: the stage buffers, or with w_wgs each warpgroup's share of their
-        # rows, (wg_n rows, K, (share, stage)).
-        sW_mma = sW
-        if const_expr(cfg.w_wgs > 1):
-            sW_mma = storage.sW.get_tensor(row_pieces_layout(sW_layout, cfg.wg_n, cfg.wg_n, cfg.w_wgs).outer,
-                                           swizzle=sW_layout.inner)
         if warp == cfg.producer_warp:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(cfg.stages):
@@ -536,7 +514,7 @@ class WideGemmKernel:
             self.producer(tma_x, mX_tma, tma_w, mW_tma, sX_box, sW_load, full, empty, cta, rank, n_local * cfg.k_blocks)
         else:
             cute.arch.griddepcontrol_wait()      # y is written only after the previous kernel
-            self.consumer(tiled_mma, sX, sW_mma, full, empty, mY, cta, n_local, tidx, warp, lane)
+            self.consumer(tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane)
         peers_done(cfg.cluster)
 
     @cute.jit
@@ -546,8 +524,7 @@ class WideGemmKernel:
 
     @cute.jit
     def x_rows(self, b_blk: Int32, w: cutlass.Constexpr):
-        """(first batch row x buffer ``w`` of batch tile ``b_blk`` holds for its warpgroups to
-        store, first row of its x box).
+        """(first batch row warpgroup ``w`` of batch tile ``b_blk`` owns, first row of its x box).
         The box is moved back to end at row M when it would reach past it (M >= 64): TMA's
         zero fill of rows past the end of x was measured to cost up to 40% at M = 160-200
         (bench/gemm_notes.md §21); the rows the moved box shares with the previous warpgroup's
@@ -646,31 +623,27 @@ class WideGemmKernel:
         local = i // cfg.k_blocks
         _, b_blk = self.tile_coords(cta, local)
         x_mcast = cfg.x_multicast
-        for w in cutlass.range_constexpr(cfg.batch_wgs):
+        for w in cutlass.range_constexpr(cfg.wgs):
             _, start = self.x_rows(b_blk, w)
             gX = cute.local_tile(cute.domain_offset((start, 0), mX_tma), (cfg.x_box_rows, BLOCK_K), (0, None))
             tXsX, tXgX = cpasync.tma_partition(
                 tma_x, self.x_rank(rank), cute.make_layout(x_mcast), cute.group_modes(sX, 0, 2),
                 cute.group_modes(gX, 0, 2))
-            tma_load(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.batch_wgs + w)], bar,
+            tma_load(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)], bar,
                      x_mcast, mask=self.x_mask(rank))
 
     @cute.jit
     def consumer(self, tiled_mma, sX, sW, full, empty, mY, cta, n_local, tidx, warp, lane):
-        """``sW``: the W stage buffers, or with w_wgs their (share, stage) pieces. Consumer
-        warpgroup wg computes batch rows ``wg // w_wgs`` x 64 on of the tile and its W rows
-        ``wg % w_wgs`` x wg_n on."""
         cfg = self.cfg
         wg = warp // 4
-        x_buf, w_share = wg // cfg.w_wgs, wg % cfg.w_wgs
         wg_tid = tidx % 128
         thr_mma = tiled_mma.get_slice(wg_tid)
         tCsX = thr_mma.partition_A(sX)
         tCsW = thr_mma.partition_B(sW)
         tCrX = tiled_mma.make_fragment_A(tCsX)
         tCrW = tiled_mma.make_fragment_B(tCsW)
-        # (batch row, W row) of each accumulator element within the warpgroup's 64 x wg_n.
-        tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((WG_ROWS, cfg.wg_n)))
+        # (batch row, W row) of each accumulator element within the warpgroup's 64 x n_tile.
+        tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((WG_ROWS, cfg.n_tile)))
         acc = cute.make_rmem_tensor(tCcAcc.shape, Float32)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         k_steps = cute.size(tCrX, mode=[2])
@@ -684,10 +657,8 @@ class WideGemmKernel:
                 cute.arch.mbarrier_wait(full + s, (i // cfg.stages) % 2)
                 warpgroup.fence()
                 for kk in cutlass.range_constexpr(k_steps):
-                    w_frag = tCrW[(None, None, kk, s)]
-                    if const_expr(cfg.w_wgs > 1):
-                        w_frag = tCrW[(None, None, kk, (w_share, s))]
-                    cute.gemm(tiled_mma, acc, tCrX[(None, None, kk, s * cfg.batch_wgs + x_buf)], w_frag, acc)
+                    cute.gemm(tiled_mma, acc, tCrX[(None, None, kk, s * cfg.wgs + wg)],
+                              tCrW[(None, None, kk, s)], acc)
                 warpgroup.commit_group()
                 # Keep this k-block's wgmma in flight; the previous one is done, free its stage.
                 warpgroup.wait_group(1)
@@ -697,9 +668,8 @@ class WideGemmKernel:
             if lane == 0:
                 release_stage(empty + (i0 + cfg.k_blocks - 1) % cfg.stages, cfg.cluster)
             n_blk, b_blk = self.tile_coords(cta, local)
-            # y columns of this tile: its n_tile W rows, or with silu_mul its n_tile / 2 gate rows;
-            # this warpgroup's from its share of them on.
-            col0 = n_blk * (cfg.n_tile // 2 if const_expr(cfg.silu) else cfg.n_tile) + w_share * cfg.wg_n
+            # y columns of this tile: its n_tile W rows, or with silu_mul its n_tile / 2 gate rows.
+            col0 = n_blk * (cfg.n_tile // 2 if const_expr(cfg.silu) else cfg.n_tile)
             # wgmma's fp32 fragment is ((2 columns, 2 rows, n_tile / 8 column groups)): the
             # accumulator `half` further on is the same row, n_tile / 2 columns further (the up
             # row of a gate row with silu_mul, whose stores cover the first half only).
@@ -707,7 +677,7 @@ class WideGemmKernel:
             stored = half if const_expr(cfg.silu) else cute.size(tCcAcc)
             for w in cutlass.range_constexpr(cfg.wgs):
                 if wg == w:
-                    owned, start = self.x_rows(b_blk, w // cfg.w_wgs)
+                    owned, start = self.x_rows(b_blk, w)
                     # The fragment holds two adjacent W rows (y columns) of one batch row in
                     # accumulators 2i and 2i + 1: one 4-byte store per pair.
                     for j in cutlass.range_constexpr(0, stored, 2):

@@ -143,12 +143,6 @@ TUNING_CASES = [
     (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=4, x_group=4)),
     (150, 8192, 7168, None, dict(wide=1, batch_tile=64, cluster=2)),
     (256, 1024, 4096, None, dict(wide=1, batch_tile=64, n_tile=32, cluster=4)),
-    # Two warpgroups splitting a 64-row batch tile's W rows (w_wgs=2): cuBLAS's tile at qkv
-    # 192 rows with x in fours, several tiles per CTA with a box moved back from past row M,
-    # and W in 16-row pieces of blocks.
-    (192, 7168, 10240, None, dict(wide=1, batch_tile=64, n_tile=256, cluster=4, w_wgs=2)),
-    (200, 1024, 4096, None, dict(wide=1, batch_tile=64, n_tile=32, w_wgs=2)),
-    (64, 1024, 4096, None, dict(wide=1, batch_tile=64, n_tile=64, w_wgs=2, w_blocked=1)),
     # silu_mul on the whole-K tiles (gate and up rows as two boxes into one stage, the
     # epilogue pairing accumulator j with j + n_tile / 4): W pairs, x pairs over several
     # waves, 64-row blocks in pieces, 16-row blocks, a moved-back batch tile, few rows.

@@ -701,26 +701,6 @@ def test_wide_cluster_tiles(m, k, n, tuning, shares):
                 assert tile[r] == (tile[0][0] + x_rank, tile[0][1] + w_rank)
 
 
-def test_wide_w_split_between_two_warpgroups():
-    """w_wgs=2: two consumer warpgroups on one 64-row batch tile, each wgmma over half the W
-    tile's rows; the stage (one x buffer, one W buffer) is unchanged, and the knob is refused
-    where a warpgroup's half would not be whole 16-row pieces, with 128-row batch tiles, and
-    with silu_mul (whose gate and up columns must sit in one warpgroup's accumulators)."""
-    one = WideGemmConfig(192, 7168, 10240, 132, batch_tile=64, n_tile=256)
-    two = WideGemmConfig(192, 7168, 10240, 132, batch_tile=64, n_tile=256, w_wgs=2)
-    assert (one.wgs, two.wgs, two.batch_wgs, two.wg_n) == (1, 2, 1, 128)
-    assert (two.stage_bytes, two.stage_tx_bytes, two.stages) == (one.stage_bytes, one.stage_tx_bytes, one.stages)
-    assert two.threads == 2 * 128 + 32 and two.producer_warp == 8
-    assert WideGemmConfig.from_key(two.key()).key() == two.key() != one.key()
-    for bad in (dict(batch_tile=128, n_tile=160), dict(batch_tile=64, n_tile=80)):
-        with pytest.raises(ValueError, match="w_wgs=2 unsupported"):
-            WideGemmConfig(256, 7168, 10240, 132, w_wgs=2, **bad)
-    with pytest.raises(ValueError, match="w_wgs=2 unsupported"):
-        WideGemmConfig(64, 7168, 36864, 132, "silu_mul", batch_tile=64, n_tile=256, w_wgs=2)
-    with pytest.raises(ValueError, match="w_wgs=3 unsupported"):
-        WideGemmConfig(64, 7168, 10240, 132, batch_tile=64, n_tile=256, w_wgs=3)
-
-
 def test_wide_ring_depth_fills_more_shared_memory_only_for_a_long_k():
     """down (288 k-blocks) at 256 rows: 7 stages of 30 KB (210 KB, past SMEM_BUDGET); o_proj
     (128 k-blocks) on the same tile keeps 6; the knob still says otherwise, up to SMEM_MAX."""
@@ -841,14 +821,12 @@ def test_wide_x_boxes_trimmed_below_48_rows():
     (64, 8192, 7168, {"cluster": 2}),         # one batch tile: x shared by pairs of W tiles
     (256, 8192, 7168, {"cluster": 4}),        # 2 x 2 tiles: W shared by pairs and x by pairs
     (192, 7168, 10240, {"batch_tile": 64, "n_tile": 256, "cluster": 4}),   # x shared by fours
-    (192, 7168, 10240, {"batch_tile": 64, "n_tile": 256, "cluster": 4, "w_wgs": 2}),  # ... two warpgroups
 ])
 def test_wide_ptx(m, k, n, tuning):
     cfg = gemm.plan(m, k, n, None, 132, wide=1, **tuning)
     ptx = _wide_ptx(cfg)
     assert ".target sm_90a" in ptx
-    assert cfg.wg_n == cfg.n_tile // cfg.w_wgs and cfg.threads == 128 * cfg.wgs + 32
-    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.wg_n}k16.f32.bf16.bf16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.n_tile}k16.f32.bf16.bf16" in ptx
     tma = _tma_loads(ptx)
     assert tma and all(dim == "2d" and len(coords) == 2 for dim, coords in tma)
     # PDL: trigger first; before the wait only the W loads, with the evict-first hint.
