@@ -6,7 +6,8 @@ cuBLAS's (torch.matmul) for the same problem.
         python3 bench/gemm_ncu.py --cublas o_proj:8 o_proj:256
 
 Each argument is ``shape:M`` with a shape name of bench/gemm.py's BIG_SHAPES, optionally
-followed by ``:knob=value,...`` (``gemm.plan``'s knobs, e.g. ``qkv:192:wide=1,batch_tile=64``);
+followed by ``:knob=value,...`` (``ctas`` or ``gemm.plan``'s knobs, as bench/gemm.py's
+``--tunings`` takes them, e.g. ``qkv:192:wide=1,batch_tile=64``);
 each line printed names the configuration ``linear`` ran (``gemm.plan``). Every kernel is
 warmed up (compiled, workspace allocated) and then launched once more, without PDL, inside an
 NVTX range named ``profile`` (so ``--nvtx-include "profile/"`` skips the set-up kernels).
@@ -26,7 +27,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from graphc.kernels import gemm  # noqa: E402
 
-from gemm import BIG_SHAPES  # noqa: E402  (bench/gemm.py)
+from gemm import BIG_SHAPES, parse_tunings  # noqa: E402  (bench/gemm.py)
 
 SHAPES = {name: (k, n, e) for name, k, n, e in BIG_SHAPES}
 
@@ -53,8 +54,9 @@ def main() -> None:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
         out = torch.empty(m, n // 2 if epi else n, device="cuda", dtype=torch.bfloat16)
-        profiled(lambda: gemm.linear(x, w, out, epilogue=epi, use_pdl=False, **tuning))
-        print(arg, gemm.plan(m, k, n, epi, sms, **tuning))
+        ctas = tuning.pop("ctas", sms)
+        profiled(lambda: gemm.linear(x, w, out, epilogue=epi, use_pdl=False, ctas=ctas, **tuning))
+        print(arg, gemm.plan(m, k, n, epi, ctas, **tuning))
         if args.cublas:
             projection = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             profiled(lambda: torch.matmul(x, w.t(), out=projection))
@@ -63,20 +65,18 @@ def main() -> None:
 
 def parse_case(arg: str) -> tuple[str, int, dict]:
     """``"qkv:192:wide=1,cluster=4"`` -> ("qkv", 192, {"wide": 1, "cluster": 4}); exits naming
-    the problem for an unknown shape, a bad M or a knob ``gemm.plan`` does not take."""
+    the problem for an unknown shape, a bad M or a knob ``gemm.plan`` does not take (the knobs
+    parsed as bench/gemm.py's ``--tunings`` parses one alternative)."""
     name, _, rest = arg.partition(":")
     m_text, _, knobs = rest.partition(":")
     if name not in SHAPES:
         raise SystemExit(f"{arg}: unknown shape {name!r}: one of {', '.join(SHAPES)}")
     if not m_text.isdigit() or not 1 <= int(m_text) <= gemm.MAX_M:
         raise SystemExit(f"{arg}: M must be an integer in 1..{gemm.MAX_M}")
-    tuning = {}
-    for kv in filter(None, knobs.split(",")):
-        knob, _, value = kv.partition("=")
-        if knob not in gemm.LINEAR_KNOBS or not value.isdigit():
-            raise SystemExit(f"{arg}: {kv!r} is not knob=integer with knob one of {', '.join(gemm.LINEAR_KNOBS)}")
-        tuning[knob] = int(value)
-    return name, int(m_text), tuning
+    if ";" in knobs:
+        raise SystemExit(f"{arg}: one configuration per case (give each its own shape:M:knobs)")
+    tunings = parse_tunings(knobs)
+    return name, int(m_text), tunings[0][1] if tunings else {}
 
 
 if __name__ == "__main__":

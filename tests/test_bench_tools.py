@@ -328,8 +328,10 @@ def test_gemm_ncu_cases_carry_knobs(monkeypatch):
     assert ncu.parse_case("qkv:192") == ("qkv", 192, {})
     assert ncu.parse_case("qkv:192:wide=1,batch_tile=64,cluster=4") == (
         "qkv", 192, {"wide": 1, "batch_tile": 64, "cluster": 4})
+    assert ncu.parse_case("o_proj:256:wide=1,ctas=112") == ("o_proj", 256, {"wide": 1, "ctas": 112})
     for arg, says in [("qvk:8", "unknown shape 'qvk'"), ("qkv:300", "M must be"),
-                      ("qkv:8:tile=64", "'tile=64' is not knob=integer"), ("qkv:8:wide=x", "'wide=x'")]:
+                      ("qkv:8:tile=64", "'tile=64' is not knob=integer"), ("qkv:8:wide=x", "'wide=x'"),
+                      ("qkv:8:wide=1;wide=0", "one configuration per case")]:
         with pytest.raises(SystemExit, match=says):
             ncu.parse_case(arg)
 
