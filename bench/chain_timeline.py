@@ -96,7 +96,7 @@ def _q(v) -> str:
 
 def link_timeline(g, ar, m: int, knobs: dict | None = None) -> dict:
     """Run the chain at M rows (a CUDA graph of 24 links, replayed) with the GEMM built with
-    ``knobs`` (TUNING_KNOBS of kernels/gemm.py, besides l2_prefetch), print and return the
+    ``knobs`` (TUNING_KNOBS of kernels/gemm_stream_k.py, besides l2_prefetch), print and return the
     timeline of links 21 -> 22."""
     knobs = knobs or {}
     t = chain_inputs(m)

@@ -6,8 +6,8 @@ its last k-block and ended (``%globaltimer``), for finding tails and imbalance
     # CPU, to put the instrumented kernels in the disk cache first:
     CUTE_DSL_ARCH=sm_90a python3 bench/gemm_timeline.py --precompile gate_up:64 o_proj:8
 
-The instrumented kernel is generated from ``kernels/gemm.py`` by inserting four timer stores
-at fixed anchors (written to ``kernels/_gemm_timeline.py``, git-ignored) so the shipped
+The instrumented kernel is generated from ``kernels/gemm_stream_k.py`` by inserting four timer
+stores at fixed anchors (written to ``kernels/_gemm_stream_k_timeline.py``, git-ignored) so the shipped
 kernel carries no instrumentation; if an anchor moved, this script says which. The times go
 to extra int32 words after the split-tile counters (``WORDS`` per CTA, including the phases
 of the CTA's last split-tile reduction). Each argument is ``shape:M`` with a shape
@@ -40,7 +40,7 @@ WORDS = 9
 _T = "cute.arch.globaltimer_lo()"
 _AT = f"mCount[2 * cfg.tiles + {WORDS} * cta + {{}}]"
 
-# (anchor in kernels/gemm.py, replacement): the instrumentation, one timer word per point.
+# (anchor in kernels/gemm_stream_k.py, replacement): the instrumentation, one timer word per point.
 PATCHES = [
     ("cute.make_layout(2 * cfg.tiles),      # arrived[tiles], ready[tiles]",
      f"cute.make_layout(2 * cfg.tiles + {WORDS} * cfg.ctas),"),
@@ -79,7 +79,7 @@ PATCHES = [
     ("            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid,\n",
      f"            if leader:\n                {_AT.format(6)} = {_T}\n"
      "            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid,\n"),
-    ('_CACHE = CompileCache("gemm", _build', '_CACHE = CompileCache("gemm_timeline", _build'),
+    ('_CACHE = CompileCache("gemm_stream_k", _build', '_CACHE = CompileCache("gemm_timeline", _build'),
 ]
 
 
@@ -107,12 +107,41 @@ def patched_module(kernel: str, patches, tool: str):
 
 
 def instrumented_source() -> str:
-    """kernels/gemm.py with the timer stores inserted."""
-    return patched_source("gemm", PATCHES, "bench/gemm_timeline.py")
+    """kernels/gemm_stream_k.py with the timer stores inserted."""
+    return patched_source("gemm_stream_k", PATCHES, "bench/gemm_timeline.py")
 
 
-def instrumented_module():
-    return patched_module("gemm", PATCHES, "bench/gemm_timeline.py")
+class InstrumentedGemm:
+    """The instrumented stream-K kernel (``kernel``: the patched module), with the calls of
+    kernels/gemm.py the timeline tools make; ``linear`` always runs this kernel (the shipped
+    one may hand a call to the whole-K tiles, which carry no timers)."""
+
+    def __init__(self, kernel):
+        from graphc.kernels import gemm
+
+        self.kernel = kernel
+        self.GemmConfig = kernel.GemmConfig
+        self.compile_cache = kernel.compile_cache
+        self._workspace = kernel._workspace
+        self.reads_blocks = gemm.reads_blocks
+
+    def linear(self, x, weight, out, *, epilogue=None, stream=None, use_pdl: bool = True, workspaces=None,
+               ctas: int | None = None, **tuning) -> None:
+        """kernels/gemm.py ``linear`` on the instrumented kernel: the same checks, the weight's
+        order from its shape, the persistent grid one CTA per SM unless ``ctas``."""
+        import torch
+
+        from graphc.kernels import gemm
+
+        m, k, n = gemm.validate(x, weight, out, epilogue)
+        sms = ctas or torch.cuda.get_device_properties(weight.device).multi_processor_count
+        cfg = self.GemmConfig(m, k, n, epilogue, sms, **tuning, **dict(gemm.weight_order_knobs(weight)))
+        self.kernel.launch(cfg, x, weight, out, stream or torch.cuda.current_stream(weight.device), use_pdl,
+                           workspaces)
+
+
+def instrumented_module() -> InstrumentedGemm:
+    return InstrumentedGemm(patched_module("gemm_stream_k", PATCHES, "bench/gemm_timeline.py"))
 
 
 def timeline(g, name: str, m: int, verbose: bool = True, tuning: dict | None = None) -> dict:

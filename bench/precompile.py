@@ -55,10 +55,10 @@ def shipped_ops(op_type) -> list:
 def kernel_modules() -> dict:
     """Compile-cache name -> kernel module, for the CuTe DSL kernels this tool compiles: the two
     decode GEMMs (stream-K and whole-K tiles), AttnRes and the two attentions."""
-    from graphc.kernels import attn_res, decode_attention_cluster, decode_attention_tma, gemm, gemm_wide
+    from graphc.kernels import attn_res, decode_attention_cluster, decode_attention_tma, gemm_stream_k, gemm_wide
 
     return {m.compile_cache().name: m
-            for m in (gemm, gemm_wide, attn_res, decode_attention_tma, decode_attention_cluster)}
+            for m in (gemm_stream_k, gemm_wide, attn_res, decode_attention_tma, decode_attention_cluster)}
 
 
 def spec_linear_shapes() -> set[tuple]:
@@ -174,7 +174,7 @@ def prune(jobs: list[tuple]) -> tuple[int, int]:
     variants not asked for); returns (files, bytes) removed. A job is (compile-cache name, key)."""
     modules = kernel_modules()
     wanted = {modules[name].compile_cache().path(key).name for name, key in jobs}
-    cache_dir = modules["gemm"].compile_cache().cache_dir
+    cache_dir = modules["gemm_stream_k"].compile_cache().cache_dir
     removed = [f for f in cache_dir.glob("*.o")
                if f.name.split("-")[0] in modules and f.name not in wanted]
     size = sum(f.stat().st_size for f in removed)
@@ -199,8 +199,8 @@ def main() -> None:
             + [("attn_res", k) for k in attn_res_configs()] + [("attention", k) for k in attention_configs()]
             + [("attention_cluster", k) for k in cluster_attention_configs()])
     counts = {kind: sum(j[0] == kind for j in jobs)
-              for kind in ("gemm", "gemm_wide", "attn_res", "attention", "attention_cluster")}
-    print(f"{counts['gemm']} stream-K and {counts['gemm_wide']} whole-K decode-GEMM, {counts['attn_res']} "
+              for kind in ("gemm_stream_k", "gemm_wide", "attn_res", "attention", "attention_cluster")}
+    print(f"{counts['gemm_stream_k']} stream-K and {counts['gemm_wide']} whole-K decode-GEMM, {counts['attn_res']} "
           f"AttnRes, {counts['attention']} TMA attention and {counts['attention_cluster']} cluster "
           f"attention variants -> "
           f"{os.environ.get('GRAPHC_CACHE_DIR', '~/.cache/graphc/kernels')}")

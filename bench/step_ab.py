@@ -7,7 +7,7 @@
     python3 bench/step_ab.py SPEC --batch-sizes 1,2 --variant cl:impl.decode_attention=cluster
 
 A micro-benchmark runs one kernel after itself; the step is what ships. So a knob of
-kernels/gemm.py (its TUNING_KNOBS) is decided here: every variant passes its knobs to the
+kernels/gemm.py (``plan``'s knobs) is decided here: every variant passes its knobs to the
 decode GEMMs of the step (or, with ``@role,role``, only to those roles: ``attn.qkv``,
 ``mlp.gate_up``, ``lm_head``; a role is a node name without its layer prefix), beside the
 shipped defaults ('shipped'). ``attention.KNOB`` sets a tiling argument of the Triton attention

@@ -2,7 +2,7 @@
 
 ``y[M, N] = x[M, K] @ W[N, K]^T`` (bf16 in and out, fp32 accumulation), or with ``silu_mul``
 ``y = silu(g) * u`` where ``[g | u] = x @ W^T`` (W = [gate; up], N / 2 output columns).
-``kernels/gemm.py`` computes ``y^T = W x^T`` (W rows on the wgmma M side, in 64-row steps) and
+``kernels/gemm_stream_k.py`` computes ``y^T = W x^T`` (W rows on the wgmma M side, in 64-row steps) and
 splits K between CTAs (stream-K), which is what streams weights fastest at a few batch rows.
 From ~120-128 rows the problem has enough work per W tile for another trade, the one cuBLAS makes
 there (its Hopper kernel at o_proj M = 256 is a 112 x 128 tile on 128 CTAs, Nsight Compute,
@@ -44,7 +44,7 @@ Structure
   the same W tile run side by side and the second read hits L2; ``tile_coords``). The producer
   warp streams (W, x) stages through all of its tiles without a break; the consumers drain
   each tile's wgmma, store it and go on.
-* **Pipeline**: as in kernels/gemm.py: a producer warp issues TMA loads of the stage's W
+* **Pipeline**: as in kernels/gemm_stream_k.py: a producer warp issues TMA loads of the stage's W
   (one n_tile x 64 box on rows; its 16-row pieces in blocks; two half boxes with silu_mul,
   ``WideGemmConfig.w_boxes_of_stage``) and one x box per consumer warpgroup (64 x 64) per
   stage into 128B-swizzled shared memory, completing on an mbarrier armed with the stage's bytes; consumer warpgroups
@@ -66,10 +66,10 @@ Structure
   halves of the stage's W buffer, so accumulator column c is a gate and c + n_tile / 2 its up
   (in wgmma's fragment the same thread's accumulator n_tile / 4 further on).
 * **Epilogue**: fp32 accumulators (with silu_mul, ``silu(g) * u`` of them in fp32, as
-  kernels/gemm.py) rounded once to bf16 and stored straight from the fragment, two adjacent y
+  kernels/gemm_stream_k.py) rounded once to bf16 and stored straight from the fragment, two adjacent y
   columns per 4-byte store, batch rows >= M (and rows another warpgroup owns) masked.
 
-PDL (DESIGN §4): the same contract as kernels/gemm.py: ``launch_dependents`` at entry (one wave,
+PDL (DESIGN §4): the same contract as kernels/gemm_stream_k.py: ``launch_dependents`` at entry (one wave,
 so a dependent cannot take an SM from one of our CTAs), the first stages' W loads before
 ``griddepcontrol.wait`` (weight traffic only; each stage barrier already expects the x bytes,
 so no consumer starts early), x loaded and y stored only after it, every thread waits.
@@ -95,7 +95,7 @@ from .smem_pipeline import (EVICT_FIRST, SMEM_BUDGET, SMEM_MAX, barriers_ready, 
                             first_rows_layout, on_off_knob, peers_done, pipeline_stages, release_stage, row_pieces_layout, tma_load,
                             tma_load_op, w_global_layout)
 
-# PDL traits: the same as kernels/gemm.py's (graphc/ops/linear.py declares them for both).
+# PDL traits: the same as kernels/gemm_stream_k.py's (kernels/gemm.py checks that they agree).
 PROLOGUE_INPUTS = ("weight",)
 WAITS = True
 TRIGGER = "early"
@@ -416,7 +416,7 @@ class WideGemmKernel:
     def __call__(self, x_addr: Int64, w_addr: Int64, y_addr: Int64, stream: cuda.CUstream, use_pdl: Boolean):
         cfg = self.cfg
         gmem = cute.AddressSpace.gmem
-        # A dynamic batch row count, as in kernels/gemm.py (a static size-1 mode would be
+        # A dynamic batch row count, as in kernels/gemm_stream_k.py (a static size-1 mode would be
         # dropped from the TMA coordinates); rows >= M are zero-filled by TMA, masked at stores.
         x_rows = Int32(cfg.m)
         mX = cute.make_tensor(cute.make_ptr(BFloat16, x_addr, gmem, assumed_align=16),
@@ -692,7 +692,7 @@ class WideGemmKernel:
 
 @cute.jit
 def silu_mul(gate: Float32, up: Float32) -> Float32:
-    """silu(gate) * up in fp32, the same expression as kernels/gemm.py's epilogue."""
+    """silu(gate) * up in fp32, the same expression as kernels/gemm_stream_k.py's epilogue."""
     return gate / (Float32(1.0) + cute.math.exp(-gate)) * up
 
 

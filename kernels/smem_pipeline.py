@@ -1,4 +1,4 @@
-"""The shared-memory pipeline of the two decode GEMMs (kernels/gemm.py, kernels/gemm_wide.py):
+"""The shared-memory pipeline of the two decode GEMMs (kernels/gemm_stream_k.py, kernels/gemm_wide.py):
 how deep a TMA -> wgmma pipeline may be, what a 0/1 knob of a stage's contents may be, the L2 hint of their weight stream, how a box is
 loaded into one CTA's stage or multicast into a cluster's (or into the first rows of a
 buffer), and how the CTAs of a cluster agree that their stage barriers exist (and outlive

@@ -1,6 +1,6 @@
 """Weights stored in 64 x 64 blocks: the memory order the decode GEMM streams fastest.
 
-In a row-major W [N, K] the 64 values of one row that the decode GEMM (kernels/gemm.py)
+In a row-major W [N, K] the 64 values of one row that the decode GEMM (kernels/gemm_stream_k.py)
 loads per k-block (128 bytes) lie K*2 bytes from the next row's, so each of its 8 KB TMA
 boxes is 64 separate 128-byte reads. Stored as blocks, ``[N/64, K/64, 64, 64]``
 (row block, k block, row in block, k in block), the same box is one contiguous 8 KB read:

@@ -29,7 +29,8 @@ def pytest_terminal_summary(terminalreporter):
     """How the CuTe DSL variants were obtained (memory / disk cache / compiled here)."""
     import sys
 
-    for name in ("graphc.kernels.gemm", "graphc.kernels.attn_res", "graphc.kernels.decode_attention_tma"):
+    for name in ("graphc.kernels.gemm_stream_k", "graphc.kernels.gemm_wide", "graphc.kernels.attn_res",
+                 "graphc.kernels.decode_attention_tma"):
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "compile_cache"):
             terminalreporter.write_line(f"compile cache {name}: {module.compile_cache().stats}")

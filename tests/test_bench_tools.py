@@ -120,7 +120,7 @@ def test_precompile_lean_list_and_prune(tmp_path, monkeypatch):
     """bench/precompile.py --lean names the GPU tests' GEMM cases and the step's shapes up to
     64 rows, and no knob variants; --prune deletes only objects of its kernels that the
     list does not name."""
-    from graphc.kernels import gemm
+    from graphc.kernels import gemm, gemm_stream_k
 
     monkeypatch.syspath_prepend(str(BENCH))                  # precompile imports bench/gemm.py
     monkeypatch.syspath_prepend(str(BENCH.parent / "tests"))  # and tests/gemm_shapes.py
@@ -133,7 +133,7 @@ def test_precompile_lean_list_and_prune(tmp_path, monkeypatch):
 
     lean, full = precompile.gemm_configs(lean=True), precompile.gemm_configs()
     assert {job(*case) for case in gemm_shapes.reference_cases()} <= set(lean)
-    assert job(64, 7168, 10240, None) == ("gemm", gemm.GemmConfig(64, 7168, 10240, None, 132).key())
+    assert job(64, 7168, 10240, None) == ("gemm_stream_k", gemm.GemmConfig(64, 7168, 10240, None, 132).key())
     assert job(64, 7168, 10240, None) in lean                          # qkv at 64 rows (graphc bench)
     assert job(256, 8192, 7168, None)[0] == "gemm_wide" and job(256, 8192, 7168, None) in lean
     assert len(lean) < len(full)
@@ -150,9 +150,9 @@ def test_precompile_lean_list_and_prune(tmp_path, monkeypatch):
     assert len(set(lean) - defaults) <= len(gemm_shapes.TUNING_CASES)  # knob variants: the tests' only
 
     monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
-    assert lean[0][0] == "gemm"
-    keep = gemm.compile_cache().path(lean[0][1])
-    for name in (keep.name, "gemm-0123.o", "gemm_wide-0123.o", "attention-4567.o", "gemm_timeline-89ab.o",
+    assert lean[0][0] == "gemm_stream_k"
+    keep = gemm_stream_k.compile_cache().path(lean[0][1])
+    for name in (keep.name, "gemm_stream_k-0123.o", "gemm_wide-0123.o", "attention-4567.o", "gemm_timeline-89ab.o",
                  "notes.txt"):
         (tmp_path / name).write_bytes(b"x" * 10)
     assert precompile.prune([lean[0]]) == (3, 30)

@@ -9,7 +9,7 @@ import pytest
 from graphc import compile_ahead as ca
 from graphc.errors import GraphcError
 from graphc.graph import build_graph
-from graphc.kernels import attn_res, decode_attention_cluster, decode_attention_tma, gemm, gemm_wide
+from graphc.kernels import attn_res, decode_attention_cluster, decode_attention_tma, gemm, gemm_stream_k, gemm_wide
 from graphc.ops.attention import CLUSTER_MAX_BATCH, TMA_MIN_BATCH, DecodeAttentionOp
 from graphc.ops.attn_res import AttnResOp
 from graphc.ops.linear import LinearOp
@@ -34,12 +34,12 @@ def test_a_schedule_needs_one_gemm_per_shape_and_batch_one_attn_res_per_configur
     variants = ca.schedule_variants(schedules, SMS)
     assert len(variants) == len(set(variants))
 
-    gemms = {(key[0], key[1], key[2], key[3]) for m, key in variants if m == gemm.__name__}
+    gemms = {(key[0], key[1], key[2], key[3]) for m, key in variants if m == gemm_stream_k.__name__}
     linear = {(op.k, op.n, op.epilogue) for op in _ops(kimi_graph, LinearOp)}
     # Every linear shape at every size where the decode GEMM is its default, and nowhere else.
     assert gemms == {(b, k, n, e) for b in sizes for k, n, e in linear
                      if b <= LinearOp(name="x", k=k, n=n, epilogue=e).decode_gemm_max_batch()}
-    assert all(key[4] == SMS for m, key in variants if m == gemm.__name__)
+    assert all(key[4] == SMS for m, key in variants if m == gemm_stream_k.__name__)
 
     attention = {key for m, key in variants if m == decode_attention_tma.__name__}
     op = _ops(kimi_graph, DecodeAttentionOp)[0]
@@ -65,7 +65,7 @@ def test_rows_past_the_wide_threshold_name_the_whole_k_kernel():
     module, key = gemm.compiled_variant(256, 8192, 7168, None, SMS)
     assert module == gemm_wide.__name__
     assert key == gemm.plan(256, 8192, 7168, None, SMS).key()
-    assert gemm.compiled_variant(8, 8192, 7168, None, SMS)[0] == gemm.__name__
+    assert gemm.compiled_variant(8, 8192, 7168, None, SMS)[0] == gemm_stream_k.__name__
 
 
 def test_the_jobs_setting_is_read_from_the_environment(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graphc.kernels import gemm, weight_blocks  # noqa: E402
+from graphc.kernels import gemm, gemm_stream_k, weight_blocks  # noqa: E402
 
 # A kernel bug shows up as a hang in synchronize(); the thread method of pytest-timeout (on the
 # GPU image) dumps the stacks and ends the process instead of holding the machine.
@@ -296,7 +296,7 @@ def test_capture_without_warmup_is_refused(m, k, n, tuning):
 
 _SPIN_CHILD = """
 import time, torch
-from graphc.kernels import gemm
+from graphc.kernels import gemm, gemm_stream_k
 from graphc.kernels.workspaces import Workspaces
 m, k, n = 32, 8192, 7168                      # o_proj at 32 rows: arrive first, then poll
 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -308,7 +308,7 @@ torch.cuda.synchronize()
 assert torch.allclose(out.float(), x.float() @ w.float().T, rtol=0.02, atol=0.02)
 cfg = gemm.plan(m, k, n, None, torch.cuda.get_device_properties(0).multi_processor_count)
 assert not cfg.publish_first and cfg.workspace_floats > 0, cfg
-_, counters = gemm._workspace(cfg, x.device, own)
+_, counters = gemm_stream_k._workspace(cfg, x.device, own)
 counters[cfg.tiles:] = 1 << 20                # "ready" counts no contributor can bring back down
 torch.cuda.synchronize()
 t0 = time.perf_counter()
@@ -334,5 +334,5 @@ def test_reducer_with_a_corrupted_ready_count_traps_instead_of_hanging():
     out = done.stdout + done.stderr
     assert "FAILED after" in done.stdout, out[-3000:]
     seconds = float(done.stdout.split("FAILED after ")[1].split(" s")[0])
-    limit = gemm.REDUCER_SPIN_LIMIT_NS / 1e9
+    limit = gemm_stream_k.REDUCER_SPIN_LIMIT_NS / 1e9
     assert limit <= seconds < limit + 10, out[-3000:]

@@ -11,7 +11,7 @@ from graphc.kernels import weight_blocks as wb
 
 def test_memory_order_is_the_kernels_layout():
     """Element (n, k) of W lands at (n // 64) * 64K + (k // 64) * 4096 + (n % 64) * 64 + k % 64:
-    kernels/gemm.py's w_blocked layout ((64, N/64), (64, K/64)) : ((64, 64K), (1, 4096))."""
+    kernels/gemm_stream_k.py's w_blocked layout ((64, N/64), (64, K/64)) : ((64, 64K), (1, 4096))."""
     n, k = 192, 256
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
     blocks = wb.to_blocks(w)

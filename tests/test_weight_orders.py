@@ -88,18 +88,18 @@ def test_tied_embedding_stays_row_major():
 
 def test_schedule_variants_load_the_blocked_kernels():
     from graphc.compile_ahead import schedule_variants
-    from graphc.kernels.gemm import TUNING_KNOBS
+    from graphc.kernels.gemm_stream_k import TUNING_KNOBS
 
     s, _ = schedules("layer_specs/tiny.yaml", [1, 4])
     w_blocked = 5 + TUNING_KNOBS.index("w_blocked")      # key: (M, K, N, epilogue, ctas, *knobs)
-    gemm_keys = [key for module, key in schedule_variants(s, SMS) if module == "graphc.kernels.gemm"]
+    gemm_keys = [key for module, key in schedule_variants(s, SMS) if module == "graphc.kernels.gemm_stream_k"]
     assert gemm_keys and all(key[w_blocked] == 1 for key in gemm_keys)
-    rows = [key for module, key in schedule_variants(s, SMS, blocked=()) if module == "graphc.kernels.gemm"]
+    rows = [key for module, key in schedule_variants(s, SMS, blocked=()) if module == "graphc.kernels.gemm_stream_k"]
     assert len(rows) == len(gemm_keys) and all(key[w_blocked] == 0 for key in rows)
     # Blocks of 16 rows (graphc.build's block_rows): the kernels compiled for them.
     w_block_rows = 5 + TUNING_KNOBS.index("w_block_rows")
     assert all(key[w_block_rows] == 64 for key in gemm_keys)
-    sixteen = [key for module, key in schedule_variants(s, SMS, block_rows=16) if module == "graphc.kernels.gemm"]
+    sixteen = [key for module, key in schedule_variants(s, SMS, block_rows=16) if module == "graphc.kernels.gemm_stream_k"]
     assert len(sixteen) == len(gemm_keys) and all(key[w_blocked] == 1 and key[w_block_rows] == 16 for key in sixteen)
 
 

@@ -66,7 +66,7 @@ def _launch_cublas(op: "LinearOp", t, w, stream, use_pdl: bool, workspaces) -> N
 
 
 def _decode_gemm_traits() -> PdlTraits:
-    # Mirrors kernels/gemm.py without importing cutlass at schedule time.
+    # Mirrors kernels/gemm.py's PDL traits without importing cutlass at schedule time.
     return PdlTraits(waits=True, trigger="early", prologue=("weight",), bypasses_l1=True)
 
 
