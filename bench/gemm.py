@@ -190,6 +190,16 @@ def variants(m: int, k: int, n: int, epilogue, explicit=None, sms: int = gemm.DE
     return legal, refused
 
 
+def variant_config(m: int, k: int, n: int, epilogue, sms: int, tuning: dict, weight) -> str:
+    """The configuration ``gemm.linear`` runs for ``tuning`` (``ctas`` and ``plan``'s knobs) on
+    ``weight`` (row-major or blocks: its order is a knob too), as ``gemm.plan`` prints it. A
+    variant's knobs leave the rest to the defaults, which may move far: with ``ctas=120`` the
+    tile is chosen for 120 SMs (bench/gemm_notes.md §45), so the table says what ran."""
+    knobs = dict(tuning)
+    ctas = knobs.pop("ctas", sms)
+    return repr(gemm.plan(m, k, n, epilogue, ctas, **knobs, **dict(gemm.weight_order_knobs(weight))))
+
+
 def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     w_bytes = n * k * 2
@@ -263,7 +273,8 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         var_out = torch.empty_like(outs[0])
         w_in, knobs = weights_and_knobs(tuning)
         gemm.linear(xs[0], w_in[0], var_out, epilogue=epilogue, use_pdl=False, **knobs)
-        checked[label] = (tuning, ((var_out.float() - ref).norm() / ref.norm()).item())
+        checked[label] = (tuning, ((var_out.float() - ref).norm() / ref.norm()).item(),
+                          variant_config(m, k, n, epilogue, sms, knobs, w_in[0]))
         fns[f"variant {label}"] = ours(True, tuning)
     if epilogue == "silu_mul":
         fns["cublas_act_s"] = cublas(True)
@@ -278,8 +289,8 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         "floor_flops_s": 2 * m * n * k / args.floor["flops_per_s"] if args.floor["flops_per_s"] else 0.0,
         **{label: t for label, t in per_call.items() if not label.startswith("variant ")},
         "variants": {label: {"tuning": tuning, "pdl_s": per_call[f"variant {label}"], "rel_err": var_err,
-                             "rounds_s": passes[f"variant {label}"]}
-                     for label, (tuning, var_err) in checked.items()},
+                             "rounds_s": passes[f"variant {label}"], "config": config}
+                     for label, (tuning, var_err, config) in checked.items()},
         "refused_tunings": refused,
         "rounds_s": {label: ts for label, ts in passes.items() if not label.startswith("variant ")},
     }
@@ -291,7 +302,7 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         for label in ("ours_pdl_s", "cublas_s", *(f"variant {v}" for v in checked)):
             summary = measure_power(graphs[label].replay, nvidia_smi_id(torch.device("cuda")))
             row["power"][label] = summary.as_dict() if summary else None
-    row["config"] = repr(gemm.plan(m, k, n, epilogue, sms, **({"w_blocked": 1} if default_blocked else {})))
+    row["config"] = variant_config(m, k, n, epilogue, sms, {}, weights_and_knobs({})[0][0])
     row["weights_in_blocks"] = bool(default_blocked)
     return row
 
@@ -370,6 +381,9 @@ def main(argv=None) -> None:
                   f"{r['rel_err']:>8.1e}  {var}"
                   + (f"  (cublas+act {r['cublas_act_s'] * 1e6:.2f} us)" if "cublas_act_s" in r else ""),
                   flush=True)
+            if args.tunings:                         # what each explicit variant ran
+                for label, v in r["variants"].items():
+                    print(f"{'':<17}{label}: {v['config']}", flush=True)
             for label, why in r["refused_tunings"].items():
                 print(f"{'':<17}{label}: not timed, gemm.plan refuses it here: {why}", flush=True)
             for label, p in r.get("power", {}).items():

@@ -349,3 +349,27 @@ def test_gemm_bench_names_the_tunings_it_cannot_time(monkeypatch):
     assert [label for label, _ in timed] == ["wide1_cluster4_xgroup2", "wide1"] and refused == {}
     timed, refused = bench.variants(8, 8192, 7168, None, None, 132)
     assert timed and refused == {}
+
+
+def test_gemm_bench_says_what_each_variant_ran(monkeypatch):
+    """bench/gemm.py prints, per explicit variant, the configuration gemm.plan makes of its knobs
+    on the weights it passes: with ``ctas=120`` alone the whole-K tile is re-chosen for 120 SMs
+    (128 x 16 at qkv 256 rows, not the 128 x 160 of 128 CTAs), which the table of session 42
+    did not show (bench/gemm_notes.md §45); blocks add their order."""
+    import torch
+
+    from graphc.kernels import weight_blocks
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = _load("gemm")
+    rows = torch.empty(10240, 7168, dtype=torch.bfloat16, device="meta")
+    fours = {"wide": 1, "cluster": 4, "x_group": 4}
+    assert "ctas=128, tile=128x160" in bench.variant_config(256, 7168, 10240, None, 132, {**fours, "ctas": 128}, rows)
+    assert "ctas=120, tile=128x16," in bench.variant_config(256, 7168, 10240, None, 132, {**fours, "ctas": 120}, rows)
+    pinned = bench.variant_config(256, 7168, 10240, None, 132, {**fours, "ctas": 120, "n_tile": 160}, rows)
+    assert "ctas=120, tile=128x160" in pinned
+    blocks = torch.empty(10240 // 64, 7168 // 64, 64, 64, dtype=torch.bfloat16, device="meta")
+    assert weight_blocks.is_blocked(blocks)
+    stream_k = bench.variant_config(8, 7168, 10240, None, 132, {}, blocks)
+    assert stream_k.startswith("GemmConfig(m=8,") and "w_blocked=1" in stream_k
+    assert "w_blocked" not in bench.variant_config(8, 7168, 10240, None, 132, {}, rows)
