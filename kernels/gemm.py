@@ -9,10 +9,10 @@ the two halves of a fused [gate; up] weight. ``linear`` checks a call and launch
   persistent grid so every SM streams the same weight bytes; what streams weights fastest at
   a few batch rows, and starts streaming them before ``griddepcontrol.wait`` under PDL.
 * kernels/gemm_wide.py: for plain shapes from 116-128 batch rows whose whole-K output tiles
-  fill the SMs' waves and their batch rows (qkv and lm_head at 116-128 rows, down at 128, all
-  four at 231-256; qkv from 205, where the stream-K kernel would split K): x as wgmma's A
-  operand, W tiles sized so the tile count matches the SMs, no K split
-  (bench/gemm_notes.md §21-§23).
+  fill the SMs' waves and their batch rows without re-reading more than twice W's bytes of x
+  (on 132 SMs: qkv and lm_head at 116-128 rows, down at 128, all four at 231-256; qkv from
+  205, where the stream-K kernel would split K): x as wgmma's A operand, W tiles sized so the
+  tile count matches the SMs, no K split (bench/gemm_notes.md §21-§23, §45).
 
 Both kernels keep the same PDL contract (DESIGN §4): only weight loads before the wait,
 ``launch_dependents`` at entry, a wait on every thread; the op's traits below are theirs.

@@ -148,6 +148,14 @@ MAX_BATCH_TILE = 128       # the largest batch tile: up to this many rows, one b
 WIDE_MIN_ROW_FILL = 0.9
 WIDE_MIN_ROW_FILL_ONE_WAVE = 0.8
 WIDE_MIN_FILL = 0.9
+# A tile re-reads its batch rows of x from L2 for every W tile: batch_tile / n_tile bytes of x
+# per byte of W it streams. The tiles measured faster than stream-K have at most 1.6 (qkv's
+# 128 x 80 at 128 rows). choose_tile ranks wave fill first, and on a grid other than 132 SMs
+# (H100 PCIe: 114, H20: 78) that is met only by tiles 16-32 W rows wide for the Kimi shapes at
+# 128-256 rows: at qkv 256 rows, 64 x 16 on 114 SMs. 128 x 16 tiles there (on 120 CTAs, with x
+# shared in fours) ran 4.4x the default on an H200 (bench/gemm_notes.md §45). Beyond this
+# ratio the default is the stream-K kernel, whose traffic does not depend on the SM count.
+WIDE_MAX_X_PER_W = 2
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -381,7 +389,8 @@ def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_s
                     w_blocked: bool = False) -> bool:
     """Whether ``linear`` runs this kernel by default for (M, N, epilogue) on ``sms`` SMs: plain
     shapes from WIDE_MIN_M rows whose tiles fill the grid's waves (one or several) and are
-    mostly real batch rows; ``against_split``: the stream-K kernel would split K here, so in
+    mostly real batch rows, and that re-read at most WIDE_MAX_X_PER_W bytes of x per byte of W;
+    ``against_split``: the stream-K kernel would split K here, so in
     one wave a lower row fill will do; ``w_blocked``: W is in blocks, so only where the tiles
     are a multiple of BLOCKED_N_TILE_MULTIPLE rows.
 
@@ -398,6 +407,8 @@ def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_s
     if m < MAX_BATCH_TILE and batch_tile != MAX_BATCH_TILE:
         return False
     if w_blocked and n_tile % BLOCKED_N_TILE_MULTIPLE:
+        return False
+    if batch_tile > WIDE_MAX_X_PER_W * n_tile:
         return False
     one_wave = _ceil_div(m, batch_tile) * (n // n_tile) <= sms
     min_row_fill = WIDE_MIN_ROW_FILL_ONE_WAVE if against_split and one_wave else WIDE_MIN_ROW_FILL

@@ -701,6 +701,31 @@ def test_wide_cluster_tiles(m, k, n, tuning, shares):
                 assert tile[r] == (tile[0][0] + x_rank, tile[0][1] + w_rank)
 
 
+@pytest.mark.parametrize("sms", [132, 114, 78, 120])
+def test_wide_default_never_rereads_x_more_than_twice_w(sms):
+    """Wave fill alone picks whole-K tiles 16-32 W rows wide for the Kimi shapes on grids other
+    than 132 SMs (qkv at 256 rows on an H100 PCIe's 114: 64 x 16, x re-read 4x W's bytes;
+    bench/gemm_notes.md §45): the default is then the stream-K kernel. On 132 SMs the Kimi
+    shapes keep the tiles of test_wide_tile_choice; only the toy shapes of tiny.yaml at 128 and
+    205-256 rows (128 x 16 and 64 x 16 tiles of N = 1024) go to stream-K."""
+    kimi = [(7168, 10240), (8192, 7168), (18432, 7168), (7168, 163840)]
+    for k, n in kimi + [(1024, 1024), (2816, 1024), (1024, 1536)]:
+        for m in range(gemm_wide.WIDE_MIN_M, 257):
+            cfg = gemm.plan(m, k, n, None, sms)
+            if isinstance(cfg, WideGemmConfig):
+                assert cfg.batch_tile <= gemm_wide.WIDE_MAX_X_PER_W * cfg.n_tile, (m, k, n, cfg)
+    assert isinstance(gemm.plan(256, 7168, 10240, None, 114), GemmConfig)
+    assert WideGemmConfig.choose_tile(256, 10240, 114) == (64, 16)          # what fill alone picks
+    for m, k, n, tile in [(256, 7168, 10240, (128, 160)), (128, 7168, 10240, (128, 80)),
+                          (256, 18432, 7168, (128, 112)), (256, 7168, 163840, (128, 256))]:
+        wide = gemm.plan(m, k, n, None, 132)
+        assert isinstance(wide, WideGemmConfig) and (wide.batch_tile, wide.n_tile) == tile
+    assert isinstance(gemm.plan(256, 1024, 1024, None, 132), GemmConfig)
+    assert WideGemmConfig.choose_tile(256, 1024, 132) == (128, 16)
+    # A knob still runs any tile it names (bench/gemm.py's variants).
+    assert gemm.plan(256, 7168, 10240, None, 114, wide=1).n_tile == 16
+
+
 def test_wide_ring_depth_fills_more_shared_memory_only_for_a_long_k():
     """down (288 k-blocks) at 256 rows: 7 stages of 30 KB (210 KB, past SMEM_BUDGET); o_proj
     (128 k-blocks) on the same tile keeps 6; the knob still says otherwise, up to SMEM_MAX."""
