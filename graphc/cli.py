@@ -376,6 +376,17 @@ def schedules_text(schedules: dict) -> str:
                      for sizes, s in _groups(schedules))
 
 
+def _inspect_sms() -> tuple[int, str]:
+    """(SMs, where the count comes from) for the configurations `graphc inspect` names: this
+    machine's GPU, or without one an H100 / H200 SXM's (a kernel's tiling follows the SMs)."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.multi_processor_count, f"on this {props.name}, {props.multi_processor_count} SMs"
+    return HOPPER_SMS, f"on {HOPPER_SMS} SMs, an H100 / H200 SXM: no GPU here"
+
+
 def cmd_inspect(args) -> int:
     from .graph import describe_node, format_dims, weight_bytes
 
@@ -386,6 +397,10 @@ def cmd_inspect(args) -> int:
         _say(describe_node(graph, args.node))
         k = schedule.kernel(args.node)
         _say(f"  kernel #{k.index}: {k.impl}, {k.edge} edge: {k.reason}")
+        impl = k.op.implementations[k.impl]
+        if impl.describe is not None and impl.available():
+            sms, where = _inspect_sms()
+            _say(f"  runs {impl.describe(k.op, args.batch, sms)} ({where})")
         return 0
     _say(f"{spec.path}: {len(spec.layers)} layers, {graph.number_of_nodes()} ops, "
          f"{graph.number_of_edges()} edges, weights {weight_bytes(graph) / 1e9:.2f} GB; "

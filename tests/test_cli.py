@@ -665,3 +665,27 @@ def test_build_names_the_implementations_this_machine_cannot_load(tmp_path, monk
         assert main(["build", TINY, "--out", str(tmp_path), "--batch-sizes", "1", "--no-reference"]) == 0
         out = capsys.readouterr().out
         assert "decode_attention cluster" in out and "not installed here" not in out, out
+
+
+def test_inspect_names_the_decode_gemm_configuration_a_node_runs(capsys, monkeypatch):
+    """A linear node on the decode GEMM: which kernel and tiling kernels/gemm.py's plan picks at
+    that batch size, on this GPU's SMs or, without one, an H100 / H200 SXM's 132; a node on
+    cuBLAS says nothing more than its kernel line."""
+    pytest.importorskip("cutlass")
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = "layer_specs/kimi_k3_dense_8l.yaml"
+    assert main(["inspect", spec, "L01.attn.o_proj", "--batch", "128"]) == 0
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  runs ")]
+    assert runs == [f"  runs {gemm_plan(128, 8192, 7168)} (on 132 SMs, an H100 / H200 SXM: no GPU here)"]
+    assert "ctas=112, tiles=112" in runs[0]              # one whole-K 64-row unit per CTA
+    assert main(["inspect", spec, "L01.attn.qkv", "--batch", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel #9: cublas" in out and "  runs " not in out
+
+
+def gemm_plan(m, k, n):
+    from graphc.kernels import gemm
+
+    return repr(gemm.plan(m, k, n, None, 132))

@@ -122,6 +122,9 @@ class Implementation:
     # row-major ones, and streams them at least as fast. None: row-major only. A build stores
     # a weight in blocks where every kernel reading it does (graphc/plan.py).
     reads_blocks: Callable | None = None
+    # ``describe(op, batch, sms)``: the configuration a launch at ``batch`` rows on ``sms`` SMs
+    # runs (which kernel, its tiling), for `graphc inspect`. None: nothing to say beyond the name.
+    describe: Callable | None = None
 
     def runs_on(self, capability: tuple[int, int]) -> bool:
         if self.arch is None:

@@ -91,6 +91,14 @@ def _decode_gemm_reads_blocks(op: "LinearOp", batch: int, sms: int) -> bool:
     return reads_blocks(batch, op.k, op.n, op.epilogue, sms)
 
 
+def _decode_gemm_describe(op: "LinearOp", batch: int, sms: int) -> str:
+    # Row-major weights: where a build stores them in blocks, the kernel and tile are the same
+    # (kernels/gemm.py reads_blocks), only its w_blocked differs.
+    from graphc.kernels.gemm import plan
+
+    return repr(plan(batch, op.k, op.n, op.epilogue, sms))
+
+
 def _decode_gemm_available() -> bool:
     return (importlib.util.find_spec("cutlass") is not None
             and importlib.util.find_spec("graphc.kernels.gemm") is not None)
@@ -145,7 +153,8 @@ class LinearOp(Op):
         "cublas": Implementation("cublas", LIBRARY_KERNEL, _launch_cublas),
         "cute": Implementation("cute", _decode_gemm_traits(), _launch_decode_gemm,
                                available=_decode_gemm_available, arch="sm_90a",
-                               variants=_decode_gemm_variants, reads_blocks=_decode_gemm_reads_blocks),
+                               variants=_decode_gemm_variants, reads_blocks=_decode_gemm_reads_blocks,
+                               describe=_decode_gemm_describe),
     }
 
     k: int = 0
