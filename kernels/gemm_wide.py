@@ -91,6 +91,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import smem_pipeline, weight_blocks
 from .compile_cache import CompileCache
+from .gemm_contract import EPILOGUES
 from .smem_pipeline import (EVICT_FIRST, SMEM_BUDGET, SMEM_MAX, barriers_ready, block_rows_knob,
                             first_rows_layout, on_off_knob, peers_done, pipeline_stages, release_stage, row_pieces_layout, tma_load,
                             tma_load_op, w_global_layout)
@@ -101,7 +102,6 @@ WAITS = True
 TRIGGER = "early"
 
 TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_group", "x_trim", "w_blocked", "w_block_rows")
-EPILOGUES = (None, "silu_mul")
 BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
 WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
 N_TILE_STEP = 16           # wgmma N steps of 8; CuTe DSL 4.8.1 needs an even number of 8-row atoms
