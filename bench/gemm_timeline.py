@@ -134,7 +134,7 @@ class InstrumentedGemm:
         from graphc.kernels import gemm
 
         m, k, n = gemm.validate(x, weight, out, epilogue)
-        sms = ctas or torch.cuda.get_device_properties(weight.device).multi_processor_count
+        sms = ctas or gemm._sm_count(weight.device)
         cfg = self.GemmConfig(m, k, n, epilogue, sms, **tuning, **dict(gemm.weight_order_knobs(weight)))
         self.kernel.launch(cfg, x, weight, out, stream or torch.cuda.current_stream(weight.device), use_pdl,
                            workspaces)
