@@ -28,7 +28,9 @@ Structure
   measured slower with one tile per CTA). As knobs: ``x_group`` = 2 or 4 neighbouring W tiles
   sharing x with any number of batch tiles (cuBLAS's 4 x 1 cluster at qkv 192 rows), and
   ``cluster=4`` over an even number of batch tiles, 2 x 2 tiles, W shared by the two batch
-  tiles and x by the two W tiles, each load multicast into its own pair only. The 2 x 2
+  tiles and x by the two W tiles, each load multicast into its own pair only; ``cluster=3``
+  (or ``cluster=4, x_group=1``) is three (four) batch tiles of one W tile sharing W, which
+  with 64-row batch tiles at 129-192 rows leaves L2 once instead of three times (§46). The 2 x 2
   clusters measured slower (bench/gemm_notes.md §42): an H100 does not hold 32 four-CTA
   clusters of these 200-220 KB CTAs at once, so at 128-132 CTAs the last run as a second wave
   (1.6x), and at 112 CTAs, where all 28 fit, the 20 idle SMs cost more than the L2 reads saved
@@ -227,19 +229,22 @@ class WideGemmConfig:
             cluster = 2 if shares_w or (shares_x and self.tiles > self.ctas) else 1
         if x_group is None:     # W pairs where the batch tiles pair up, the rest of the cluster x
             x_group = cluster // 2 if cluster > 1 and self.batch_tiles % 2 == 0 else cluster
+            if cluster == 3:    # W in threes: x cannot be split three ways (a box of 64 rows)
+                x_group = 1
         w_group = cluster // x_group if x_group and cluster % x_group == 0 else 0
-        if not (cluster in (1, 2, 4) and x_group in (1, 2, 4) and w_group in (1, 2)
+        if not (cluster in (1, 2, 3, 4) and x_group in (1, 2, 4) and w_group in (1, 2, 3, 4)
                 and self.batch_tiles % w_group == 0 and self.n_tiles % x_group == 0 and self.ctas % cluster == 0):
             raise ValueError(
-                f"cluster={cluster}, x_group={x_group} unsupported here: a cluster is x_group (1, 2 or 4) "
-                f"neighbouring W tiles of {self.n_tiles} times 1 or 2 batch tiles of {self.batch_tiles} "
-                f"(each count dividing its tiles), on a grid ({self.ctas} CTAs) that is a multiple of it")
+                f"cluster={cluster}, x_group={x_group} unsupported here: a cluster (at most 4 CTAs) is "
+                f"x_group (1, 2 or 4) neighbouring W tiles of {self.n_tiles} times 1 to 4 batch tiles "
+                f"of {self.batch_tiles} (each count dividing its tiles), on a grid ({self.ctas} CTAs) "
+                f"that is a multiple of it")
         self.cluster, self.x_group = int(cluster), int(x_group)
         # CTAs each x / W box is multicast into (the group sharing that operand, else 1). A CTA's
         # cluster rank is x_rank * w_multicast + w_rank (CuTe's (w, x) layout of the cluster).
         self.x_multicast, self.w_multicast = self.x_group, w_group
-        self.cluster_shares = {(1, 1): None, (2, 1): "w", (1, 2): "x", (1, 4): "x", (2, 2): "w+x"}[
-            (self.w_multicast, self.x_multicast)]
+        self.cluster_shares = {(1, 1): None, (1, 2): "x", (1, 4): "x", (2, 2): "w+x"}.get(
+            (self.w_multicast, self.x_multicast), "w")
         self.k_blocks = self.k // BLOCK_K
         self.threads = 128 * self.wgs + 32        # + one producer warp
         self.producer_warp = 4 * self.wgs
@@ -261,6 +266,11 @@ class WideGemmConfig:
                                      f"a multiple of {weight_blocks.BLOCK})")
         # Rows per block: 64, or 16 as a measurement variant.
         self.w_block_rows = block_rows_knob(w_block_rows, self.w_blocked)
+        # W shared by more than two batch tiles is loaded as whole boxes (each CTA every
+        # w_multicast-th), not as one box that TMA's multicast partition splits (in two only).
+        if self.w_multicast > 2 and not self.w_split_boxes:
+            raise ValueError(f"cluster={self.cluster}, x_group={self.x_group} unsupported here: W shared "
+                             f"by {self.w_multicast} batch tiles needs W in blocks (w_blocked=1)")
         self.w_box_rows, self.w_boxes, self.w_box_step = self.w_boxes_of_stage()
         # Shared memory per stage (64-row x buffers), and what TMA delivers into it: with
         # overlapping boxes (a pair's halves of an odd block count) the shared block twice.
@@ -301,6 +311,8 @@ class WideGemmConfig:
         blocks = self.n_tile // self.w_block_rows
         if self.w_multicast == 1 or blocks == 1:
             return whole_tile
+        if self.w_multicast > 2:
+            return pieces       # one 16-row block per box, every w_multicast-th box per CTA
         half = _ceil_div(blocks, 2) * self.w_block_rows
         if (self.n // self.w_block_rows) % (half // self.w_block_rows):
             return pieces       # a box of `half` rows must tile W's block rows (CuTe's local_tile)

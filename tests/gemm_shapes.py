@@ -143,6 +143,11 @@ TUNING_CASES = [
     (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=4, x_group=4)),
     (150, 8192, 7168, None, dict(wide=1, batch_tile=64, cluster=2)),
     (256, 1024, 4096, None, dict(wide=1, batch_tile=64, n_tile=32, cluster=4)),
+    # W shared by three batch tiles (64-row tiles at 129-192 rows; §46): cuBLAS's tile at qkv
+    # 192 rows, several tiles per CTA with a box moved back past row M; four batch tiles.
+    (192, 7168, 10240, None, dict(wide=1, batch_tile=64, n_tile=256, cluster=3, w_blocked=1)),
+    (150, 1024, 4096, None, dict(wide=1, batch_tile=64, n_tile=16, cluster=3, w_blocked=1)),
+    (256, 1024, 4096, None, dict(wide=1, batch_tile=64, n_tile=32, cluster=4, x_group=1, w_blocked=1)),
     # silu_mul on the whole-K tiles (gate and up rows as two boxes into one stage, the
     # epilogue pairing accumulator j with j + n_tile / 4): W pairs, x pairs over several
     # waves, 64-row blocks in pieces, 16-row blocks, a moved-back batch tile, few rows.

@@ -676,6 +676,9 @@ def test_wide_tile_choice(m, k, n, tile, ctas, cluster_shares, default):
     (200, 1024, 4096, {"n_tile": 16, "cluster": 4, "x_group": 4}, "x"),  # several tiles per CTA
     (256, 1024, 4096, {"batch_tile": 64, "n_tile": 32, "cluster": 4}, "w+x"),  # four batch tiles
     (150, 8192, 7168, {"batch_tile": 64, "cluster": 1}, None),
+    (192, 7168, 10240, {"batch_tile": 64, "n_tile": 256, "cluster": 3, "w_blocked": 1}, "w"),  # W in threes
+    (150, 1024, 4096, {"batch_tile": 64, "n_tile": 16, "cluster": 3, "w_blocked": 1}, "w"),    # several per CTA
+    (256, 1024, 4096, {"batch_tile": 64, "n_tile": 32, "cluster": 4, "x_group": 1, "w_blocked": 1}, "w"),
 ])
 def test_wide_cluster_tiles(m, k, n, tuning, shares):
     """Every tile computed exactly once, and at every step of the persistent loop the CTAs of a
@@ -766,6 +769,15 @@ def test_plan_routes_between_the_two_kernels():
         gemm.plan(150, 8192, 7168, None, 132, wide=1, batch_tile=64, cluster=4, x_group=2)
     with pytest.raises(ValueError, match="cluster=2, x_group=4 unsupported"):
         gemm.plan(256, 8192, 7168, None, 132, wide=1, cluster=2, x_group=4)
+    # W shared by three or four batch tiles: whole boxes of W in blocks, each CTA every third.
+    with pytest.raises(ValueError, match="cluster=3, x_group=1 unsupported.*needs W in blocks"):
+        gemm.plan(192, 7168, 10240, None, 132, wide=1, batch_tile=64, n_tile=256, cluster=3)
+    with pytest.raises(ValueError, match="cluster=3, x_group=1 unsupported"):        # two batch tiles
+        gemm.plan(256, 7168, 10240, None, 132, wide=1, cluster=3, w_blocked=1)
+    with pytest.raises(ValueError, match="cluster=3, x_group=3 unsupported"):
+        gemm.plan(192, 7168, 10240, None, 132, wide=1, batch_tile=64, n_tile=256, cluster=3, x_group=3)
+    threes = gemm.plan(192, 7168, 10240, None, 132, wide=1, batch_tile=64, n_tile=256, cluster=3, w_blocked=1)
+    assert (threes.w_multicast, threes.x_multicast, threes.w_boxes, threes.ctas) == (3, 1, 16, 120)
     wide = gemm.plan(256, 8192, 7168, None, 132, n_tile=224, stages=3)
     assert (wide.n_tile, wide.stages, wide.batch_tile) == (224, 3, 128)
     assert gemm.cache_of(wide) is gemm_wide.compile_cache() and gemm.cache_of(gemm.plan(8, 1024, 1024)) is gemm_stream_k.compile_cache()
@@ -914,6 +926,7 @@ def test_wide_silu_mul_ptx(m, tuning, boxes, pair):
     (128, 7168, 10240, {}),                   # 5 pieces, no pairs
     (200, 1024, 4096, {"n_tile": 16}),        # one piece, shared by a pair
     (128, 7168, 163840, {}),                  # 16 pieces; pairs share x instead
+    (192, 7168, 10240, {"batch_tile": 64, "n_tile": 256, "cluster": 3}),   # 16 pieces, W in threes
 ])
 def test_wide_ptx_w_blocked(m, k, n, tuning):
     """With W in 64 x 64 blocks the whole-K tiles load each stage's W as n_tile / 16 pieces of
