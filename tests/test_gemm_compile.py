@@ -704,6 +704,23 @@ def test_wide_cluster_tiles(m, k, n, tuning, shares):
                 assert tile[r] == (tile[0][0] + x_rank, tile[0][1] + w_rank)
 
 
+def test_wide_l2_reads():
+    """What a configuration reads from L2, by hand: at qkv 192 rows on 64 x 256 tiles (3 x 40
+    tiles), W (256 x 7168 bf16 per tile) is read by each of the three batch tiles unless they
+    share it, x (64 x 7168 per tile) by each W tile unless a group shares it."""
+    w_tile, x_tile = 256 * 7168 * 2, 64 * 7168 * 2
+    tiles = dict(batch_tile=64, n_tile=256, w_blocked=1)
+    for tuning, w, x in [(dict(cluster=1), 120 * w_tile, 120 * x_tile),
+                         (dict(cluster=4), 120 * w_tile, 30 * x_tile),      # x in fours
+                         (dict(cluster=3), 40 * w_tile, 120 * x_tile)]:     # W in threes
+        cfg = WideGemmConfig(192, 7168, 10240, 132, **tiles, **tuning)
+        assert cfg.l2_read_bytes == (w, x), tuning
+        assert f"L2 reads W {w / 1e6:.0f} + x {x / 1e6:.0f} MB)" in repr(cfg)
+    # The default pairs at o_proj 256 rows: 128 x 112 tiles, W shared by the two batch tiles.
+    pairs = WideGemmConfig(256, 8192, 7168, 132)
+    assert pairs.l2_read_bytes == (64 * 112 * 8192 * 2, 128 * 2 * 64 * 8192 * 2)
+
+
 @pytest.mark.parametrize("sms", [132, 114, 78, 120])
 def test_wide_default_never_rereads_x_more_than_twice_w(sms):
     """Wave fill alone picks whole-K tiles 16-32 W rows wide for the Kimi shapes on grids other
