@@ -243,8 +243,9 @@ class WideGemmConfig:
         # CTAs each x / W box is multicast into (the group sharing that operand, else 1). A CTA's
         # cluster rank is x_rank * w_multicast + w_rank (CuTe's (w, x) layout of the cluster).
         self.x_multicast, self.w_multicast = self.x_group, w_group
-        self.cluster_shares = {(1, 1): None, (1, 2): "x", (1, 4): "x", (2, 2): "w+x"}.get(
-            (self.w_multicast, self.x_multicast), "w")
+        # What the cluster shares, for the repr and tests: "w", "x", "w+x" or None.
+        self.cluster_shares = "+".join(operand for operand, group in (("w", self.w_multicast), ("x", self.x_multicast))
+                                       if group > 1) or None
         self.k_blocks = self.k // BLOCK_K
         self.threads = 128 * self.wgs + 32        # + one producer warp
         self.producer_warp = 4 * self.wgs
