@@ -7,7 +7,9 @@ cuBLAS's (torch.matmul) for the same problem.
 
 Each argument is ``shape:M`` with a shape name of bench/gemm.py's BIG_SHAPES, optionally
 followed by ``:knob=value,...`` (``ctas`` or ``gemm.plan``'s knobs, as bench/gemm.py's
-``--tunings`` takes them, e.g. ``qkv:192:wide=1,batch_tile=64``);
+``--tunings`` takes them, e.g. ``qkv:192:wide=1,batch_tile=64``; ``w_blocked=1`` or
+``w_block_rows=16`` profiles the kernel on a copy of W in those blocks, as bench/gemm.py does,
+else W is row-major);
 each line printed names the configuration ``linear`` ran (``gemm.plan``). Every kernel is
 warmed up (compiled, workspace allocated) and then launched once more, without PDL, inside an
 NVTX range named ``profile`` (so ``--nvtx-include "profile/"`` skips the set-up kernels).
@@ -25,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from graphc.kernels import gemm  # noqa: E402
+from graphc.kernels import gemm, weight_blocks  # noqa: E402
 
 from gemm import BIG_SHAPES, parse_tunings  # noqa: E402  (bench/gemm.py)
 
@@ -55,12 +57,22 @@ def main() -> None:
         w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
         out = torch.empty(m, n // 2 if epi else n, device="cuda", dtype=torch.bfloat16)
         ctas = tuning.pop("ctas", sms)
-        profiled(lambda: gemm.linear(x, w, out, epilogue=epi, use_pdl=False, ctas=ctas, **tuning))
-        print(arg, gemm.plan(m, k, n, epi, ctas, **tuning))
+        rows = block_rows_of(tuning)
+        w_in = weight_blocks.to_blocks(w, rows) if rows else w
+        profiled(lambda: gemm.linear(x, w_in, out, epilogue=epi, use_pdl=False, ctas=ctas, **tuning))
+        print(arg, gemm.plan(m, k, n, epi, ctas, **tuning, **dict(gemm.weight_order_knobs(w_in))))
         if args.cublas:
             projection = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             profiled(lambda: torch.matmul(x, w.t(), out=projection))
             print(arg, "cuBLAS (torch.matmul)")
+
+
+def block_rows_of(tuning: dict) -> int:
+    """Pops W's order knobs from ``tuning``: the rows per block of the W to profile on (0:
+    row-major). ``linear`` reads the order off the weight's shape and refuses them as knobs."""
+    rows = tuning.pop("w_block_rows", 0)
+    blocked = tuning.pop("w_blocked", int(bool(rows)))
+    return (rows or weight_blocks.BLOCK) if blocked else 0
 
 
 def parse_case(arg: str) -> tuple[str, int, dict]:

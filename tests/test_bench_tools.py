@@ -336,6 +336,18 @@ def test_gemm_ncu_cases_carry_knobs(monkeypatch):
             ncu.parse_case(arg)
 
 
+def test_gemm_ncu_profiles_on_the_weight_order_asked(monkeypatch):
+    """``w_blocked`` / ``w_block_rows`` in a case choose the W copy the kernel is profiled on
+    (``linear`` refuses them as knobs: the order is read off the weight), and leave the rest."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    ncu = _load("gemm_ncu")
+    for knobs, rows in [({"wide": 1}, 0), ({"wide": 1, "w_blocked": 1}, 64), ({"w_blocked": 0}, 0),
+                        ({"wide": 1, "w_block_rows": 16}, 16), ({"w_blocked": 1, "w_block_rows": 16}, 16)]:
+        tuning = dict(knobs)
+        assert ncu.block_rows_of(tuning) == rows
+        assert tuning == {k: v for k, v in knobs.items() if k not in ("w_blocked", "w_block_rows")}
+
+
 def test_gemm_bench_names_the_tunings_it_cannot_time(monkeypatch):
     """An explicit tuning that gemm.plan refuses at a row is reported with the reason, not
     silently left out; the default alternatives are just the ones that apply."""
