@@ -37,7 +37,8 @@ tiles since session 27, §34), else row-major; cuBLAS reads row-major copies. ``
 w_blocked=0`` times ours on row-major weights beside it, ``w_block_rows=16`` on 16-row blocks.
 
 Runtime: ~3 compiles per (shape, M) (a few seconds each) plus ~1 s of timing; the default
-16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml.
+16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml;
+``--shape NAME=K,N`` adds a shape of your own (e.g. ``qkv39=7168,9984``, §47).
 """
 
 from __future__ import annotations
@@ -307,6 +308,22 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
     return row
 
 
+def parse_shape(text: str) -> tuple[str, int, int, str | None]:
+    """``--shape``'s ``NAME=K,N[,silu_mul]`` -> a row as BIG_SHAPES holds it, the shape checked
+    as the decode GEMM's contract checks it (K and N multiples of 64, ...)."""
+    name, _, dims = text.partition("=")
+    parts = dims.split(",")
+    epilogue = parts.pop() if parts and parts[-1] == "silu_mul" else None
+    if not name or len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is NAME=K,N or NAME=K,N,silu_mul")
+    k, n = int(parts[0]), int(parts[1])
+    try:
+        gemm.check_shape(1, k, n, epilogue)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return name, k, n, epilogue
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked before any GPU work: batch sizes the kernel takes, shape names
     that exist, and no ``--tunings`` beside ``--no-variants`` (which would drop them)."""
@@ -322,6 +339,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="time only the default configuration (not the other block_k / row_wgs)")
     ap.add_argument("--only", help="shape names to run, comma-separated (default: all of --shapes)")
+    ap.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="NAME=K,N[,silu_mul]",
+                    help="run this shape too (repeatable), e.g. qkv39=7168,9984: qkv with 39 W tiles "
+                         "of 256 (bench/gemm_notes.md §47)")
     ap.add_argument("--power", action="store_true",
                     help="also sample board power and SM clock for 1.5 s of back-to-back replays of "
                          "ours, cuBLAS and each variant per row (graphc/power.py)")
@@ -346,6 +366,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if unknown := [name for name in names if name not in known]:
             ap.error(f"--only: no shape {', '.join(unknown)} in --shapes {args.shapes} ({', '.join(known)})")
         args.shape_rows = [s for s in args.shape_rows if s[0] in names]
+    args.shape_rows = args.shape_rows + args.shape
     return args
 
 

@@ -311,13 +311,20 @@ def test_gemm_bench_checks_its_command_line_before_any_gpu_work(monkeypatch, cap
     for argv, says in [(["--no-variants", "--tunings", "cluster=4"], "would drop --tunings"),
                        (["--m", "1,300"], "[300] outside 1..256"),
                        (["--m", "8,x"], "comma-separated integers"),
-                       (["--only", "qkv,o_prj"], "no shape o_prj in --shapes big")]:
+                       (["--only", "qkv,o_prj"], "no shape o_prj in --shapes big"),
+                       (["--shape", "odd=7168,10000"], "N must be a positive multiple of 64"),
+                       (["--shape", "qkv39=7168"], "a shape is NAME=K,N"),
+                       (["--shape", "=7168,9984"], "a shape is NAME=K,N")]:
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert says in capsys.readouterr().err
     args = bench.parse_args(["--only", "qkv,down", "--m", "1,256", "--tunings", "cluster=4;wide=1"])
     assert ([s[0] for s in args.shape_rows], args.ms) == (["down", "qkv"], [1, 256])
     assert args.tunings == [("cluster4", {"cluster": 4}), ("wide1", {"wide": 1})]
+    # --shape adds rows beside --only's (a shape the bundled lists do not have).
+    args = bench.parse_args(["--only", "qkv", "--shape", "qkv39=7168,9984", "--shape", "gu=7168,1024,silu_mul"])
+    assert args.shape_rows == [("qkv", 7168, 10240, None), ("qkv39", 7168, 9984, None),
+                               ("gu", 7168, 1024, "silu_mul")]
 
 
 def test_gemm_ncu_cases_carry_knobs(monkeypatch):
