@@ -38,13 +38,16 @@ w_blocked=0`` times ours on row-major weights beside it, ``w_block_rows=16`` on 
 
 Runtime: ~3 compiles per (shape, M) (a few seconds each) plus ~1 s of timing; the default
 16 rows take a few minutes. ``--no-variants`` halves that; ``--shapes tiny`` adds tiny.yaml;
-``--shape NAME=K,N`` adds a shape of your own (e.g. ``qkv39=7168,9984``, §47).
+``--shape NAME=K,N`` adds a shape of your own (e.g. ``qkv39=7168,9984``, §47). Each
+``--tunings`` variant's line names the configuration it ran and, with clusters, how many the
+grid launches against how many this GPU runs at once (bench/cluster_occupancy.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -191,14 +194,41 @@ def variants(m: int, k: int, n: int, epilogue, explicit=None, sms: int = gemm.DE
     return legal, refused
 
 
-def variant_config(m: int, k: int, n: int, epilogue, sms: int, tuning: dict, weight) -> str:
+def variant_plan(m: int, k: int, n: int, epilogue, sms: int, tuning: dict, weight):
     """The configuration ``gemm.linear`` runs for ``tuning`` (``ctas`` and ``plan``'s knobs) on
-    ``weight`` (row-major or blocks: its order is a knob too), as ``gemm.plan`` prints it. A
-    variant's knobs leave the rest to the defaults, which may move far: with ``ctas=120`` the
-    tile is chosen for 120 SMs (bench/gemm_notes.md §45), so the table says what ran."""
+    ``weight`` (row-major or blocks: its order is a knob too). A variant's knobs leave the rest
+    to the defaults, which may move far: with ``ctas=120`` the tile is chosen for 120 SMs
+    (bench/gemm_notes.md §45), so the table says what ran."""
     knobs = dict(tuning)
     ctas = knobs.pop("ctas", sms)
-    return repr(gemm.plan(m, k, n, epilogue, ctas, **knobs, **dict(gemm.weight_order_knobs(weight))))
+    return gemm.plan(m, k, n, epilogue, ctas, **knobs, **dict(gemm.weight_order_knobs(weight)))
+
+
+def variant_config(m: int, k: int, n: int, epilogue, sms: int, tuning: dict, weight) -> str:
+    """``variant_plan`` as ``gemm.plan`` prints it."""
+    return repr(variant_plan(m, k, n, epilogue, sms, tuning, weight))
+
+
+def cluster_residency(cfg, resident_clusters) -> str:
+    """How the board runs ``cfg``'s clusters, for its variant's line: nothing without clusters;
+    else how many the grid launches and how many run at once (``resident_clusters(cluster,
+    smem, threads)``, the driver's count: ``resident_on_this_gpu``), naming a second wave where
+    the grid launches more. That was the whole of a 1.35-1.67x (clusters of four, §42) and a
+    1.5x (threes at qkv 192: 40 launched, 39 resident, §47), invisible in the config itself."""
+    if cfg.cluster == 1:
+        return ""
+    launched = cfg.ctas // cfg.cluster
+    # The ring decides how many CTAs share an SM (barriers add about 1% to it).
+    resident = resident_clusters(cfg.cluster, cfg.stages * cfg.stage_bytes, cfg.threads)
+    wave = ": the rest start as a second wave" if launched > resident else ""
+    return f" [{launched} clusters of {cfg.cluster}; this GPU runs {resident} at once{wave}]"
+
+
+@functools.lru_cache(maxsize=None)
+def resident_on_this_gpu(cluster: int, smem: int, threads: int) -> int:
+    """bench/cluster_occupancy.py's driver query, on the current GPU."""
+    import cluster_occupancy      # bench/cluster_occupancy.py (cuda-bindings: on the GPU image)
+    return cluster_occupancy.max_active_clusters(cluster_occupancy.probe_function(smem), cluster, smem, threads)
 
 
 def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
@@ -274,8 +304,9 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
         var_out = torch.empty_like(outs[0])
         w_in, knobs = weights_and_knobs(tuning)
         gemm.linear(xs[0], w_in[0], var_out, epilogue=epilogue, use_pdl=False, **knobs)
+        cfg = variant_plan(m, k, n, epilogue, sms, knobs, w_in[0])
         checked[label] = (tuning, ((var_out.float() - ref).norm() / ref.norm()).item(),
-                          variant_config(m, k, n, epilogue, sms, knobs, w_in[0]))
+                          repr(cfg) + cluster_residency(cfg, resident_on_this_gpu))
         fns[f"variant {label}"] = ours(True, tuning)
     if epilogue == "silu_mul":
         fns["cublas_act_s"] = cublas(True)

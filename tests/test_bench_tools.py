@@ -370,6 +370,33 @@ def test_gemm_bench_names_the_tunings_it_cannot_time(monkeypatch):
     assert timed and refused == {}
 
 
+def test_gemm_bench_names_a_second_wave_of_clusters(monkeypatch):
+    """A variant's line says how many clusters its grid launches and how many the board runs at
+    once (the driver's count, here given), and names the second wave where they do not all fit:
+    W in threes at qkv 192 rows is 40 clusters of 3, and session 45's H100 ran 39 (§47)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = _load("gemm")
+    blocks = torch.empty(10240 // 64, 7168 // 64, 64, 64, dtype=torch.bfloat16, device="meta")
+    threes = bench.variant_plan(192, 7168, 10240, None, 132, {"wide": 1, "batch_tile": 64, "n_tile": 256,
+                                                              "cluster": 3}, blocks)
+    asked = []
+
+    def resident(count):
+        def query(cluster, smem, threads):
+            asked.append((cluster, smem, threads))
+            return count
+        return query
+
+    assert bench.cluster_residency(threes, resident(39)) == (
+        " [40 clusters of 3; this GPU runs 39 at once: the rest start as a second wave]")
+    assert asked == [(3, threes.stages * threes.stage_bytes, threes.threads)] and threes.stages * threes.stage_bytes > 114 * 1024
+    assert bench.cluster_residency(threes, resident(40)) == " [40 clusters of 3; this GPU runs 40 at once]"
+    plain = bench.variant_plan(192, 7168, 10240, None, 132, {}, blocks)
+    assert plain.cluster == 1 and bench.cluster_residency(plain, resident(0)) == ""
+
+
 def test_gemm_bench_says_what_each_variant_ran(monkeypatch):
     """bench/gemm.py prints, per explicit variant, the configuration gemm.plan makes of its knobs
     on the weights it passes: with ``ctas=120`` alone the whole-K tile is re-chosen for 120 SMs

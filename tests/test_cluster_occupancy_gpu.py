@@ -37,3 +37,16 @@ def test_one_gemm_cta_per_sm_and_clusters_within_the_sms():
     for cluster in range(2, tool.MAX_PORTABLE_CLUSTER + 1):
         clusters = tool.max_active_clusters(probe, cluster, SMEM_BUDGET, 160)
         assert 1 <= clusters and clusters * cluster <= sms, (cluster, clusters)
+
+
+def test_gemm_bench_asks_the_driver_through_the_tool(monkeypatch):
+    """bench/gemm.py's per-variant residency (``resident_on_this_gpu``) is the tool's count."""
+    bench_dir = pathlib.Path(__file__).parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(bench_dir))
+    spec = importlib.util.spec_from_file_location("gemm_bench", bench_dir / "gemm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tool = _tool()
+    for cluster in (2, 3, 4):
+        assert bench.resident_on_this_gpu(cluster, SMEM_BUDGET, 160) == tool.max_active_clusters(
+            tool.probe_function(SMEM_BUDGET), cluster, SMEM_BUDGET, 160)
