@@ -163,6 +163,17 @@ def parse_tunings(text: str) -> list[tuple[str, dict]]:
     return out
 
 
+def weight_order(tuning: dict, blocked_by_default: bool = False) -> tuple[dict, int]:
+    """(the knobs ``linear`` takes, rows per block of the W copy to pass it: 0 for row-major).
+    ``w_blocked`` and ``w_block_rows`` choose W's order, which ``linear`` reads off the weight's
+    shape and refuses as knobs; ``w_block_rows`` implies blocks, and without either knob W is in
+    blocks when ``blocked_by_default``."""
+    knobs = {knob: v for knob, v in tuning.items() if knob not in ("w_blocked", "w_block_rows")}
+    rows = tuning.get("w_block_rows", weight_blocks.BLOCK)
+    blocked = tuning.get("w_blocked", blocked_by_default or rows != weight_blocks.BLOCK)
+    return knobs, rows if blocked else 0
+
+
 def reads_blocks_with(m: int, k: int, n: int, epilogue, knobs: dict) -> bool:
     """Whether the kernel these knobs select can read weights in blocks (``plan`` accepts
     w_blocked=1 with them). A variant without w_blocked reads them so when the default does and
@@ -252,11 +263,9 @@ def bench_one(name: str, k: int, n: int, epilogue, m: int, args) -> dict:
     default_blocked = int(gemm.reads_blocks(m, k, n, epilogue, sms))
 
     def order_of(tuning) -> tuple[dict, int]:
-        """(the knobs linear takes, rows per block of the weights to pass: 0 for row-major)."""
-        knobs = {knob: v for knob, v in tuning.items() if knob not in ("w_blocked", "w_block_rows")}
-        rows = tuning.get("w_block_rows", weight_blocks.BLOCK)
-        default = rows != weight_blocks.BLOCK or (default_blocked and reads_blocks_with(m, k, n, epilogue, knobs))
-        return knobs, rows if tuning.get("w_blocked", default) else 0
+        """``weight_order``, blocks by default where the default reads them and these knobs can."""
+        knobs, _ = weight_order(tuning)
+        return weight_order(tuning, default_blocked and reads_blocks_with(m, k, n, epilogue, knobs))
 
     timed, refused = variants(m, k, n, epilogue, args.tunings, sms) if args.variants else ([], {})
     orders = {order_of({})[1]} | {order_of(t)[1] for _, t in timed}

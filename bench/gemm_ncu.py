@@ -29,7 +29,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from graphc.kernels import gemm, weight_blocks  # noqa: E402
 
-from gemm import BIG_SHAPES, parse_tunings  # noqa: E402  (bench/gemm.py)
+from gemm import BIG_SHAPES, parse_tunings, weight_order  # noqa: E402  (bench/gemm.py)
 
 SHAPES = {name: (k, n, e) for name, k, n, e in BIG_SHAPES}
 
@@ -57,22 +57,14 @@ def main() -> None:
         w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
         out = torch.empty(m, n // 2 if epi else n, device="cuda", dtype=torch.bfloat16)
         ctas = tuning.pop("ctas", sms)
-        rows = block_rows_of(tuning)
+        knobs, rows = weight_order(tuning)         # row-major unless the case asks for blocks
         w_in = weight_blocks.to_blocks(w, rows) if rows else w
-        profiled(lambda: gemm.linear(x, w_in, out, epilogue=epi, use_pdl=False, ctas=ctas, **tuning))
-        print(arg, gemm.plan(m, k, n, epi, ctas, **tuning, **dict(gemm.weight_order_knobs(w_in))))
+        profiled(lambda: gemm.linear(x, w_in, out, epilogue=epi, use_pdl=False, ctas=ctas, **knobs))
+        print(arg, gemm.plan(m, k, n, epi, ctas, **knobs, **dict(gemm.weight_order_knobs(w_in))))
         if args.cublas:
             projection = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             profiled(lambda: torch.matmul(x, w.t(), out=projection))
             print(arg, "cuBLAS (torch.matmul)")
-
-
-def block_rows_of(tuning: dict) -> int:
-    """Pops W's order knobs from ``tuning``: the rows per block of the W to profile on (0:
-    row-major). ``linear`` reads the order off the weight's shape and refuses them as knobs."""
-    rows = tuning.pop("w_block_rows", 0)
-    blocked = tuning.pop("w_blocked", int(bool(rows)))
-    return (rows or weight_blocks.BLOCK) if blocked else 0
 
 
 def parse_case(arg: str) -> tuple[str, int, dict]:

@@ -350,9 +350,11 @@ def test_gemm_ncu_profiles_on_the_weight_order_asked(monkeypatch):
     ncu = _load("gemm_ncu")
     for knobs, rows in [({"wide": 1}, 0), ({"wide": 1, "w_blocked": 1}, 64), ({"w_blocked": 0}, 0),
                         ({"wide": 1, "w_block_rows": 16}, 16), ({"w_blocked": 1, "w_block_rows": 16}, 16)]:
-        tuning = dict(knobs)
-        assert ncu.block_rows_of(tuning) == rows
-        assert tuning == {k: v for k, v in knobs.items() if k not in ("w_blocked", "w_block_rows")}
+        assert ncu.weight_order(knobs) == ({k: v for k, v in knobs.items() if k not in ("w_blocked", "w_block_rows")},
+                                           rows)
+    # bench/gemm.py's rows share the rule, with blocks where the default reads them.
+    assert ncu.weight_order({"wide": 1}, True) == ({"wide": 1}, 64)
+    assert ncu.weight_order({"wide": 1, "w_blocked": 0}, True) == ({"wide": 1}, 0)
 
 
 def test_gemm_bench_names_the_tunings_it_cannot_time(monkeypatch):
