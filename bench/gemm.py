@@ -380,8 +380,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="time only the default configuration (not the other block_k / row_wgs)")
     ap.add_argument("--only", help="shape names to run, comma-separated (default: all of --shapes)")
     ap.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="NAME=K,N[,silu_mul]",
-                    help="run this shape too (repeatable), e.g. qkv39=7168,9984: qkv with 39 W tiles "
-                         "of 256 (bench/gemm_notes.md §47)")
+                    help="run this shape too (repeatable; --only may name it), e.g. qkv39=7168,9984: qkv "
+                         "with 39 W tiles of 256 (bench/gemm_notes.md §47)")
     ap.add_argument("--power", action="store_true",
                     help="also sample board power and SM clock for 1.5 s of back-to-back replays of "
                          "ours, cuBLAS and each variant per row (graphc/power.py)")
@@ -400,13 +400,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--m {args.m!r}: batch sizes are comma-separated integers")
     if bad := [m for m in args.ms if not 1 <= m <= gemm.MAX_M]:
         ap.error(f"--m: {bad} outside 1..{gemm.MAX_M}, the batch sizes the decode GEMM takes")
-    args.shape_rows = {"big": BIG_SHAPES, "tiny": TINY_SHAPES, "all": BIG_SHAPES + TINY_SHAPES}[args.shapes]
+    # --shape's rows join the bundled ones, so --only can name them too (--only qkv39 runs it alone).
+    args.shape_rows = {"big": BIG_SHAPES, "tiny": TINY_SHAPES, "all": BIG_SHAPES + TINY_SHAPES}[args.shapes] + args.shape
     if args.only:
         names, known = args.only.split(","), [row[0] for row in args.shape_rows]
         if unknown := [name for name in names if name not in known]:
-            ap.error(f"--only: no shape {', '.join(unknown)} in --shapes {args.shapes} ({', '.join(known)})")
+            ap.error(f"--only: no shape {', '.join(unknown)} in --shapes {args.shapes} or --shape ({', '.join(known)})")
         args.shape_rows = [s for s in args.shape_rows if s[0] in names]
-    args.shape_rows = args.shape_rows + args.shape
     return args
 
 

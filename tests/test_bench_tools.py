@@ -321,10 +321,15 @@ def test_gemm_bench_checks_its_command_line_before_any_gpu_work(monkeypatch, cap
     args = bench.parse_args(["--only", "qkv,down", "--m", "1,256", "--tunings", "cluster=4;wide=1"])
     assert ([s[0] for s in args.shape_rows], args.ms) == (["down", "qkv"], [1, 256])
     assert args.tunings == [("cluster4", {"cluster": 4}), ("wide1", {"wide": 1})]
-    # --shape adds rows beside --only's (a shape the bundled lists do not have).
-    args = bench.parse_args(["--only", "qkv", "--shape", "qkv39=7168,9984", "--shape", "gu=7168,1024,silu_mul"])
+    # --shape adds rows (a shape the bundled lists do not have), which --only may name.
+    args = bench.parse_args(["--only", "qkv,qkv39,gu", "--shape", "qkv39=7168,9984", "--shape", "gu=7168,1024,silu_mul"])
     assert args.shape_rows == [("qkv", 7168, 10240, None), ("qkv39", 7168, 9984, None),
                                ("gu", 7168, 1024, "silu_mul")]
+    args = bench.parse_args(["--only", "qkv39", "--shape", "qkv39=7168,9984", "--shape", "gu=7168,1024,silu_mul"])
+    assert args.shape_rows == [("qkv39", 7168, 9984, None)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--only", "qkv39"])
+    assert "no shape qkv39" in capsys.readouterr().err
 
 
 def test_gemm_ncu_cases_carry_knobs(monkeypatch):
