@@ -62,7 +62,7 @@ def plan(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAUL
             # bench/gemm_notes.md §23); above, the tiles take the rows where their own rule
             # holds (down at 256: 114.5 against 126.6 µs for the units).
             if not (default.unit_per_cta and m <= gemm_wide.MAX_BATCH_TILE):
-                wide = int(gemm_wide.default_applies(m, n, epilogue, ctas, against_split=default.max_segs > 1,
+                wide = int(gemm_wide.default_applies(m, k, n, epilogue, ctas, against_split=default.max_segs > 1,
                                                      w_blocked=bool(tuning.get("w_blocked"))))
     if wide not in (0, 1):
         raise ValueError(f"wide={wide} unsupported: 0 or 1")

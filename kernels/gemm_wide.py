@@ -158,6 +158,12 @@ WIDE_MIN_FILL = 0.9
 # shared in fours) ran 4.4x the default on an H200 (bench/gemm_notes.md §45). Beyond this
 # ratio the default is the stream-K kernel, whose traffic does not depend on the SM count.
 WIDE_MAX_X_PER_W = 2
+# And W itself leaves L2 once per batch tile that does not share it (``w_reads``). Every tile
+# default measured faster than stream-K reads it once (one batch tile, or W pairs); three
+# 64-row batch tiles each streaming all of W ran slower wherever timed: qkv's 64 x 256 at 192
+# rows 1.15-1.20x the stream-K kernel (§44, §46; L2 at 88% of its peak), and 64 x 48 at 192
+# rows of N = 9984, the tile wave fill alone picks there, 1.65x (§48). Twice is not measured.
+WIDE_MAX_W_READS = 2
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -398,6 +404,12 @@ class WideGemmConfig:
         x = self.tiles * self.wgs * self.x_box_rows * self.k * 2 // self.x_multicast
         return w, x
 
+    @property
+    def w_reads(self) -> int:
+        """How many times W leaves L2: once per batch tile, or per group of batch tiles that
+        share it (``l2_read_bytes``'s W over W's own bytes; default_applies bounds it)."""
+        return self.batch_tiles // self.w_multicast
+
     def __repr__(self) -> str:
         w_l2, x_l2 = self.l2_read_bytes
         return (f"WideGemmConfig(m={self.m}, k={self.k}, n={self.n}, "
@@ -411,11 +423,12 @@ class WideGemmConfig:
                 + f", L2 reads W {w_l2 / 1e6:.0f} + x {x_l2 / 1e6:.0f} MB)")
 
 
-def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_split: bool = False,
+def default_applies(m: int, k: int, n: int, epilogue: str | None, sms: int, *, against_split: bool = False,
                     w_blocked: bool = False) -> bool:
-    """Whether ``linear`` runs this kernel by default for (M, N, epilogue) on ``sms`` SMs: plain
-    shapes from WIDE_MIN_M rows whose tiles fill the grid's waves (one or several) and are
-    mostly real batch rows, and that re-read at most WIDE_MAX_X_PER_W bytes of x per byte of W;
+    """Whether ``linear`` runs this kernel by default for (M, K, N, epilogue) on ``sms`` SMs:
+    plain shapes from WIDE_MIN_M rows whose tiles fill the grid's waves (one or several) and
+    are mostly real batch rows, and that re-read at most WIDE_MAX_X_PER_W bytes of x per byte
+    of W and W itself at most WIDE_MAX_W_READS times;
     ``against_split``: the stream-K kernel would split K here, so in
     one wave a lower row fill will do; ``w_blocked``: W is in blocks, so only where the tiles
     are a multiple of BLOCKED_N_TILE_MULTIPLE rows.
@@ -435,6 +448,8 @@ def default_applies(m: int, n: int, epilogue: str | None, sms: int, *, against_s
     if w_blocked and n_tile % BLOCKED_N_TILE_MULTIPLE:
         return False
     if batch_tile > WIDE_MAX_X_PER_W * n_tile:
+        return False
+    if WideGemmConfig(m, k, n, sms, batch_tile=batch_tile, n_tile=n_tile).w_reads > WIDE_MAX_W_READS:
         return False
     one_wave = _ceil_div(m, batch_tile) * (n // n_tile) <= sms
     min_row_fill = WIDE_MIN_ROW_FILL_ONE_WAVE if against_split and one_wave else WIDE_MIN_ROW_FILL

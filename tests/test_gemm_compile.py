@@ -722,26 +722,37 @@ def test_wide_l2_reads():
 
 
 @pytest.mark.parametrize("sms", [132, 114, 78, 120])
-def test_wide_default_never_rereads_x_more_than_twice_w(sms):
+def test_wide_default_bounds_what_it_rereads_from_l2(sms):
     """Wave fill alone picks whole-K tiles 16-32 W rows wide for the Kimi shapes on grids other
     than 132 SMs (qkv at 256 rows on an H100 PCIe's 114: 64 x 16, x re-read 4x W's bytes;
-    bench/gemm_notes.md §45): the default is then the stream-K kernel. On 132 SMs the Kimi
-    shapes keep the tiles of test_wide_tile_choice; only the toy shapes of tiny.yaml at 128 and
+    bench/gemm_notes.md §45), and on 132 SMs three 64-row batch tiles each streaming all of W
+    (N = 9984 at 173-192 rows, §48): the default is then the stream-K kernel. On 132 SMs the
+    Kimi shapes keep the tiles of test_wide_tile_choice; tiny.yaml's toy shapes at 128 and
     205-256 rows (128 x 16 and 64 x 16 tiles of N = 1024) go to stream-K."""
     kimi = [(7168, 10240), (8192, 7168), (18432, 7168), (7168, 163840)]
-    for k, n in kimi + [(1024, 1024), (2816, 1024), (1024, 1536)]:
+    for k, n in kimi + [(1024, 1024), (2816, 1024), (1024, 1536), (7168, 9984), (4096, 11008)]:
         for m in range(gemm_wide.WIDE_MIN_M, 257):
             cfg = gemm.plan(m, k, n, None, sms)
             if isinstance(cfg, WideGemmConfig):
                 assert cfg.batch_tile <= gemm_wide.WIDE_MAX_X_PER_W * cfg.n_tile, (m, k, n, cfg)
+                assert cfg.w_reads <= gemm_wide.WIDE_MAX_W_READS, (m, k, n, cfg)
     assert isinstance(gemm.plan(256, 7168, 10240, None, 114), GemmConfig)
     assert WideGemmConfig.choose_tile(256, 10240, 114) == (64, 16)          # what fill alone picks
     for m, k, n, tile in [(256, 7168, 10240, (128, 160)), (128, 7168, 10240, (128, 80)),
                           (256, 18432, 7168, (128, 112)), (256, 7168, 163840, (128, 256))]:
         wide = gemm.plan(m, k, n, None, 132)
         assert isinstance(wide, WideGemmConfig) and (wide.batch_tile, wide.n_tile) == tile
+        assert wide.w_reads == 1                       # one batch tile, or W pairs
     assert isinstance(gemm.plan(256, 1024, 1024, None, 132), GemmConfig)
     assert WideGemmConfig.choose_tile(256, 1024, 132) == (128, 16)
+    # N = 9984 at 192 rows: fill alone picks 3 x 208 tiles of 64 x 48, each batch tile reading
+    # all of W (429 MB from L2 for W's 143), which ran 1.65x the stream-K kernel.
+    assert WideGemmConfig.choose_tile(192, 9984, 132) == (64, 48)
+    narrow = WideGemmConfig(192, 7168, 9984, 132)
+    assert narrow.w_reads == 3 and narrow.l2_read_bytes[0] == 3 * 9984 * 7168 * 2
+    assert isinstance(gemm.plan(192, 7168, 9984, None, 132), GemmConfig)
+    # W in threes (a knob) reads it once, as the pairs do.
+    assert WideGemmConfig(192, 7168, 10240, 132, batch_tile=64, n_tile=256, cluster=3, w_blocked=1).w_reads == 1
     # A knob still runs any tile it names (bench/gemm.py's variants).
     assert gemm.plan(256, 7168, 10240, None, 114, wide=1).n_tile == 16
 
