@@ -163,7 +163,7 @@ WIDE_MAX_X_PER_W = 2
 # 64-row batch tiles each streaming all of W ran slower wherever timed (§48): qkv's 64 x 256 at
 # 192 rows 1.15-1.20x the stream-K kernel (§44, §46; L2 at 88% of its peak), the same tile at
 # 192 rows of K = 4096, N = 11008 1.10x, and 64 x 48 at 192 rows of N = 9984, the tile wave
-# fill alone picks there, 2.3x (H200; 1.7x on an H100). Twice is not measured.
+# fill alone picks there, 2.3x (H200; on an H100 97.7 µs, 49% of the floor). Twice is not measured.
 WIDE_MAX_W_READS = 2
 
 
