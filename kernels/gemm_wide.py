@@ -401,14 +401,14 @@ class WideGemmConfig:
         group (not counted: the block both halves of an odd 16-row block count load). At qkv
         192 rows on cuBLAS's 64 x 256 tile, W is 94% of it with x in fours and 57% with W in
         threes, 467 against 257 MB (bench/gemm_notes.md §46)."""
-        w = self.tiles * self.n_tile * self.k * 2 // self.w_multicast
+        w = self.w_reads * self.n * self.k * 2
         x = self.tiles * self.wgs * self.x_box_rows * self.k * 2 // self.x_multicast
         return w, x
 
     @property
     def w_reads(self) -> int:
         """How many times W leaves L2: once per batch tile, or per group of batch tiles that
-        share it (``l2_read_bytes``'s W over W's own bytes; default_applies bounds it)."""
+        share it (default_applies bounds it)."""
         return self.batch_tiles // self.w_multicast
 
     def __repr__(self) -> str:
