@@ -108,7 +108,7 @@ TRIGGER = "early"
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
 TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
                 "publish_first", "cluster", "x_trim", "pre_wait_stages", "trigger_at", "w_blocked",
-                "w_block_rows")
+                "w_block_rows", "consumer_regs")
 # Where a CTA executes ``launch_dependents`` (the ``trigger_at`` knob; TRIGGER stays "early",
 # which is conservative for every one of them): at entry (the default), right after its PDL
 # wait, once its consumers have streamed their last k-block (before the last tile's split
@@ -124,6 +124,12 @@ PUBLISH_FIRST_MAX_MMA_N = 16  # split tiles publish before arriving up to 16 bat
 # with a CUDA error) after this long. Legitimately microseconds; a context switch to another
 # process's work lasts milliseconds.
 REDUCER_SPIN_LIMIT_NS = 2_000_000_000
+# setmaxnreg (the ``consumer_regs`` knob): what the producer warpgroup keeps (one warp issues
+# TMA loads; CUTLASS's warp-specialised Hopper kernels keep the same), what a consumer thread
+# may then hold in accumulators, and one SM sub-partition's register file (32-bit registers).
+PRODUCER_REGS = 40
+CONSUMER_REGS_MAX_ACCS = 192
+SUBPARTITION_REGS = 16384
 HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these M (GemmConfig)
 UNIT_PER_CTA_ROWS = (65, 256)   # plain shapes: one whole-K 64-row unit per CTA at these M ...
 UNIT_PER_CTA_MIN_FILL = 0.8     # ... when the units fill this share of the SMs (GemmConfig) ...
@@ -154,7 +160,7 @@ class GemmConfig:
                  col_wgs: int | None = None, publish_first: int | None = None, cluster: int | None = None,
                  x_trim: int | None = None, pre_wait_stages: int | None = None,
                  trigger_at: int | None = None, w_blocked: int | None = None,
-                 w_block_rows: int | None = None):
+                 w_block_rows: int | None = None, consumer_regs: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -215,10 +221,20 @@ class GemmConfig:
             col_wgs = 1 if m <= 128 else 2
         per_wg = -(-m // col_wgs)
         mma_n = 8 if per_wg <= 8 else _round_up(per_wg, 16)
-        # At most 128 fp32 accumulators per thread: halves x 64 x mma_n over 128 threads.
-        if col_wgs not in (1, 2) or self.halves * mma_n > 256:
+        # Registers per consumer thread (``consumer_regs``): by default every thread gets the
+        # same share, at most 168 with two consumer warpgroups (an SM sub-partition holds 16K
+        # registers and gets three of the nine warps), so at most 128 fp32 accumulators per
+        # thread: halves x 64 x mma_n over 128 threads. With the knob the producer becomes a
+        # warpgroup that gives registers back (setmaxnreg, PRODUCER_REGS) and the consumers
+        # take ``consumer_regs``, room for 192 accumulators: two 64-row halves at up to 192
+        # batch columns, i.e. 256-row tiles on two warpgroups at 129-192 rows, which read x
+        # from L2 once per 256 W rows instead of once per 128.
+        self.consumer_regs = self._consumer_regs(consumer_regs)
+        max_accs = CONSUMER_REGS_MAX_ACCS if self.consumer_regs else 128
+        if col_wgs not in (1, 2) or self.halves * mma_n * HALF_ROWS // 128 > max_accs:
             raise ValueError(f"col_wgs={col_wgs} unsupported here (M={m}, halves={self.halves}: at most "
-                             f"256 batch columns per 64-row half and warpgroup, 128 with two halves)")
+                             f"{max_accs} fp32 accumulators per consumer thread, halves x 64 x {mma_n} / 128"
+                             + ("" if self.consumer_regs else "; consumer_regs allows more") + ")")
         self.col_wgs = int(col_wgs)
         self.mma_n = mma_n
         # x is re-read from L2 once per tile: with two units per tile (256 W rows) that costs
@@ -239,8 +255,14 @@ class GemmConfig:
         self.max_segs = max(self.cta_of((t + 1) * self.k_blocks - 1) - self.cta_of(t * self.k_blocks) + 1
                             for t in range(self.tiles))
 
-        self.threads = 128 * self.wgs + 32          # + one producer warp
+        # + one producer warp, or with consumer_regs a producer warpgroup (setmaxnreg works on
+        # whole warpgroups) whose other three warps only wait for the previous grid and exit.
+        self.threads = 128 * self.wgs + (128 if self.consumer_regs else 32)
         self.producer_warp = 4 * self.wgs
+        if self.consumer_regs and (self.wgs * self.consumer_regs + PRODUCER_REGS) * 32 > SUBPARTITION_REGS:
+            raise ValueError(f"consumer_regs={self.consumer_regs} unsupported with {self.wgs} consumer warpgroups: "
+                             f"an SM sub-partition holds one warp of each warpgroup and {SUBPARTITION_REGS} "
+                             f"registers, so at most {(SUBPARTITION_REGS // 32 - PRODUCER_REGS) // self.wgs // 8 * 8}")
         self.w_boxes = self.row_wgs * self.halves   # 64-row W buffers per stage
         self.w_stage_bytes = self.w_boxes * HALF_ROWS * block_k * 2
         self.x_stage_bytes = self.col_wgs * self.mma_n * block_k * 2
@@ -372,6 +394,16 @@ class GemmConfig:
         # What TMA delivers per stage (the stage barrier's transaction count).
         self.stage_tx_bytes = self.w_stage_bytes + self.col_wgs * sum(r for r, _ in self.x_boxes) * block_k * 2
 
+    @staticmethod
+    def _consumer_regs(consumer_regs: int | None) -> int:
+        """The ``consumer_regs`` knob checked: 0 (off) or setmaxnreg's registers per consumer thread."""
+        if consumer_regs is None:
+            return 0
+        if consumer_regs != 0 and not (PRODUCER_REGS < consumer_regs <= 256 and consumer_regs % 8 == 0):
+            raise ValueError(f"consumer_regs={consumer_regs} unsupported: 0 (off) or a multiple of 8 in "
+                             f"{PRODUCER_REGS + 8}..256 (setmaxnreg)")
+        return int(consumer_regs)
+
     def _y_places(self) -> list[tuple[str, int]] | None:
         """Per output half: ("w", element offset into the warpgroup's W boxes of a stage) or
         ("x", 0) for the stage's x buffer; None if the output tile does not fit."""
@@ -430,7 +462,8 @@ class GemmConfig:
                 + (f", pre_wait_stages={self.pre_wait_stages}" if self.pre_wait_stages < self.stages else "")
                 + (f", trigger_at={TRIGGER_POINTS[self.trigger_at]}" if self.trigger_at else "")
                 + (", w_blocked=1" if self.w_blocked else "")
-                + (f", w_block_rows={self.w_block_rows}" if self.w_block_rows != weight_blocks.BLOCK else "") + ")")
+                + (f", w_block_rows={self.w_block_rows}" if self.w_block_rows != weight_blocks.BLOCK else "")
+                + (f", consumer_regs={self.consumer_regs}" if self.consumer_regs else "") + ")")
 
 
 
@@ -608,10 +641,20 @@ class DecodeGemmKernel:
         g_end = ((cta + 1) * cfg.iters) // cfg.ctas
         n_iters = g_end - g_begin
 
-        if warp == cfg.producer_warp:
-            self.producer(tma_w, mW_tma, (tma_x, tma_x_tail), (mX_tma, mX_tail_tma), sW, (sX_box, sX_tail), full, empty,
-                          g_begin, n_iters, cta % cfg.cluster)
+        # With consumer_regs, each role sets its registers (setmaxnreg) at the top of its own
+        # branch: ptxas honours it only for code the instruction dominates.
+        if warp >= cfg.producer_warp:
+            if const_expr(cfg.consumer_regs):
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == cfg.producer_warp:
+                self.producer(tma_w, mW_tma, (tma_x, tma_x_tail), (mX_tma, mX_tail_tma), sW, (sX_box, sX_tail), full,
+                              empty, g_begin, n_iters, cta % cfg.cluster)
+            else:
+                # The producer warpgroup's idle warps (consumer_regs): the PDL wait, as every thread.
+                cute.arch.griddepcontrol_wait()
         else:
+            if const_expr(cfg.consumer_regs):
+                cute.arch.setmaxregister_increase(cfg.consumer_regs)
             # Consumers touch global memory (workspace, counters, y) only after the wait.
             cute.arch.griddepcontrol_wait()
             if const_expr(cfg.trigger_at == 1):

@@ -1047,3 +1047,44 @@ def _wide_ptx(cfg) -> str:
 
     with tempfile.TemporaryDirectory() as dump_dir:
         return gemm_wide.compile_wide(cfg, options=f"--keep-ptx --dump-dir {dump_dir}").__ptx__
+
+
+# ------------------------------------------------------------------------------------------------
+# consumer_regs: a producer warpgroup that gives registers to the consumers (setmaxnreg).
+# ------------------------------------------------------------------------------------------------
+TILE_256_ROWS = dict(halves=2, row_wgs=2, col_wgs=1, w_blocked=1)
+
+
+def test_consumer_regs_checks():
+    # 192 accumulators per thread need the knob; without it the tile is refused by name.
+    with pytest.raises(ValueError, match="at most 128 fp32 accumulators.*consumer_regs allows more"):
+        GemmConfig(192, 7168, 10240, None, **TILE_256_ROWS)
+    cfg = GemmConfig(192, 7168, 10240, None, consumer_regs=232, **TILE_256_ROWS)
+    assert (cfg.threads, cfg.producer_warp, cfg.tiles, cfg.halves * cfg.frag) == (384, 8, 40, 192)
+    assert "consumer_regs=232" in repr(cfg)
+    assert GemmConfig(192, 7168, 10240, None).threads == 288        # off: one producer warp
+    with pytest.raises(ValueError, match="multiple of 8"):
+        GemmConfig(192, 7168, 10240, None, consumer_regs=236, **TILE_256_ROWS)
+    # Two consumer warps and a producer warp per sub-partition: 2 x 240 + 40 > 512 per thread.
+    with pytest.raises(ValueError, match="sub-partition.*at most 232"):
+        GemmConfig(192, 7168, 10240, None, consumer_regs=240, **TILE_256_ROWS)
+    # 256 batch columns in two halves (256 accumulators) do not fit even so.
+    with pytest.raises(ValueError, match="at most 192 fp32 accumulators"):
+        GemmConfig(256, 7168, 10240, None, consumer_regs=232, halves=2, row_wgs=2, col_wgs=1)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
+def test_consumer_regs_hold_256_row_tiles_without_spills(tmp_path):
+    """The producer warpgroup drops to PRODUCER_REGS and the consumers rise to 232 inside their
+    own branches (ptxas ignores a setmaxnreg that does not dominate the code: C7507), so 192
+    accumulators per thread neither spill nor serialize wgmma (C7511 at the default 168)."""
+    ptx = linear_ptx(192, 7168, 10240, None, consumer_regs=232, **TILE_256_ROWS)
+    assert re.search(r"\.reqntid 384, 1, 1", ptx)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{gemm_stream_k.PRODUCER_REGS};", ptx)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)
+    src = tmp_path / "gemm.ptx"
+    src.write_text(ptx)
+    report = run_ptxas(src, tmp_path / "gemm.cubin", "-v")
+    assert "0 bytes spill stores" in report, report
+    for code in ("C7507", "C7511", "C7514"):
+        assert code not in report, report
