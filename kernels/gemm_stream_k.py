@@ -108,7 +108,7 @@ TRIGGER = "early"
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
 TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
                 "publish_first", "cluster", "x_trim", "pre_wait_stages", "trigger_at", "w_blocked",
-                "w_block_rows", "consumer_regs")
+                "w_block_rows", "consumer_regs", "max_split")
 # Where a CTA executes ``launch_dependents`` (the ``trigger_at`` knob; TRIGGER stays "early",
 # which is conservative for every one of them): at entry (the default), right after its PDL
 # wait, once its consumers have streamed their last k-block (before the last tile's split
@@ -130,6 +130,9 @@ REDUCER_SPIN_LIMIT_NS = 2_000_000_000
 PRODUCER_REGS = 40
 CONSUMER_REGS_MAX_ACCS = 192
 SUBPARTITION_REGS = 16384
+# The most CTAs a split tile is spread over (``max_split``): fewer CTAs than SMs where tiles
+# are few and long ranges would split them further (qkv's 40 256-row tiles: 117 CTAs).
+MAX_SPLIT = 4
 HALF_WGS_ROWS = (65, 200)  # plain shapes: a 64-row half per warpgroup at these M (GemmConfig)
 UNIT_PER_CTA_ROWS = (65, 256)   # plain shapes: one whole-K 64-row unit per CTA at these M ...
 UNIT_PER_CTA_MIN_FILL = 0.8     # ... when the units fill this share of the SMs (GemmConfig) ...
@@ -160,7 +163,8 @@ class GemmConfig:
                  col_wgs: int | None = None, publish_first: int | None = None, cluster: int | None = None,
                  x_trim: int | None = None, pre_wait_stages: int | None = None,
                  trigger_at: int | None = None, w_blocked: int | None = None,
-                 w_block_rows: int | None = None, consumer_regs: int | None = None):
+                 w_block_rows: int | None = None, consumer_regs: int | None = None,
+                 max_split: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -251,6 +255,11 @@ class GemmConfig:
         self.tiles = self.units // self.row_wgs
         self.iters = self.tiles * self.k_blocks
         self.unit_per_cta = unit_per_cta
+        if max_split is None:
+            max_split = MAX_SPLIT
+        if not 2 <= max_split <= 8:
+            raise ValueError(f"max_split={max_split} unsupported: 2..8 CTAs per split tile")
+        self.max_split = int(max_split)
         self.ctas = self.tiles if unit_per_cta else self._ctas_for(self.tiles, ctas)
         self.max_segs = max(self.cta_of((t + 1) * self.k_blocks - 1) - self.cta_of(t * self.k_blocks) + 1
                             for t in range(self.tiles))
@@ -422,10 +431,10 @@ class GemmConfig:
         return places
 
     def _ctas_for(self, tiles: int, sms: int) -> int:
-        """One CTA per SM, each with at least a third of a tile's k-blocks, so a tile is split
-        over at most 4 CTAs (at most 3 partials for the last one to load in turn); only
-        small problems get fewer CTAs than SMs."""
-        min_len = -(-self.k_blocks // 3)
+        """One CTA per SM, each with at least 1 / (max_split - 1) of a tile's k-blocks, so a
+        tile is split over at most ``max_split`` CTAs (by default 4: at most 3 partials for
+        the last one to load in turn); only small problems get fewer CTAs than SMs."""
+        min_len = -(-self.k_blocks // (self.max_split - 1))
         return max(1, min(int(sms), tiles * self.k_blocks // min_len))
 
     def key(self) -> tuple:
@@ -463,7 +472,8 @@ class GemmConfig:
                 + (f", trigger_at={TRIGGER_POINTS[self.trigger_at]}" if self.trigger_at else "")
                 + (", w_blocked=1" if self.w_blocked else "")
                 + (f", w_block_rows={self.w_block_rows}" if self.w_block_rows != weight_blocks.BLOCK else "")
-                + (f", consumer_regs={self.consumer_regs}" if self.consumer_regs else "") + ")")
+                + (f", consumer_regs={self.consumer_regs}" if self.consumer_regs else "")
+                + (f", max_split={self.max_split}" if self.max_split != MAX_SPLIT else "") + ")")
 
 
 

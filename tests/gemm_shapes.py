@@ -56,8 +56,10 @@ TUNING_CASES = [
     (200, 1024, 5632, "silu_mul", dict(y_staging=0)),  # two batch warpgroups, direct stores
     # Registers moved to the consumers (consumer_regs: a producer warpgroup, setmaxnreg):
     # 256-row tiles of 192 and 160 batch columns (192 / 160 accumulators per thread, split
-    # tiles summed from the workspace), W in blocks, one consumer warpgroup, silu_mul.
+    # tiles summed from the workspace; up to 5 CTAs per tile), W in blocks, one consumer
+    # warpgroup, silu_mul.
     (192, 7168, 10240, None, dict(wide=0, halves=2, row_wgs=2, col_wgs=1, consumer_regs=232, w_blocked=1)),
+    (192, 7168, 10240, None, dict(wide=0, halves=2, row_wgs=2, col_wgs=1, consumer_regs=232, max_split=5)),
     (160, 1024, 4096, None, dict(wide=0, halves=2, row_wgs=2, col_wgs=1, consumer_regs=232)),
     (144, 1024, 1536, None, dict(wide=0, halves=2, row_wgs=1, col_wgs=1, consumer_regs=240)),
     (64, 1024, 5632, "silu_mul", dict(consumer_regs=232)),

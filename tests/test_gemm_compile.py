@@ -23,6 +23,8 @@ from ptxas_tool import run_ptxas  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:This static loop has")
 
 _PTX: dict[tuple, str] = {}
+# 256-row stream-K tiles at 129-192 rows: two warpgroups of two 64-row halves (consumer_regs).
+TILE_256_ROWS = dict(halves=2, row_wgs=2, col_wgs=1, w_blocked=1)
 
 
 def ptx_of(m: int, k: int, n: int, epilogue: str | None, block_k: int | None = None) -> str:
@@ -96,7 +98,22 @@ def test_pdl_traits():
 @pytest.mark.parametrize("sms", [132, 114, 7, 1])
 @pytest.mark.parametrize("m, row_wgs", [(8, None), (64, None), (64, 1)])
 def test_stream_k_partition(k, n, epilogue, sms, m, row_wgs):
-    cfg = GemmConfig(m, k, n, epilogue, sms, row_wgs=row_wgs)
+    check_partition(GemmConfig(m, k, n, epilogue, sms, row_wgs=row_wgs), sms)
+
+
+@pytest.mark.parametrize("max_split, ctas", [(4, 117), (5, 132), (8, 132)])
+def test_stream_k_partition_max_split(max_split, ctas):
+    """qkv's 40 256-row tiles at 192 rows: at most 4 CTAs per tile leaves 15 SMs idle; 5 fill them."""
+    cfg = GemmConfig(192, 7168, 10240, None, consumer_regs=232, max_split=max_split, **TILE_256_ROWS)
+    assert cfg.ctas == ctas
+    check_partition(cfg, 132)
+    with pytest.raises(ValueError, match="max_split=1 unsupported"):
+        GemmConfig(8, 7168, 10240, max_split=1)
+
+
+def check_partition(cfg: GemmConfig, sms: int) -> None:
+    """Every (tile, k-block) iteration belongs to one CTA, split tiles use distinct workspace
+    slots, and the CTAs' ranges are balanced."""
     kb = cfg.k_blocks
     assert 1 <= cfg.ctas <= sms
     segments: dict[int, list[tuple[int, int, int]]] = {}
@@ -111,7 +128,7 @@ def test_stream_k_partition(k, n, epilogue, sms, m, row_wgs):
     for t, segs in segments.items():
         ctas = [c for c, _, _ in segs]
         assert ctas == list(range(cfg.cta_of(t * kb), cfg.cta_of(t * kb + kb - 1) + 1))
-        assert len(segs) <= cfg.max_segs <= 4
+        assert len(segs) <= cfg.max_segs <= cfg.max_split
         covered = 0
         for _, lo, hi in sorted(segs, key=lambda s: s[1]):
             assert lo == covered
@@ -1052,7 +1069,6 @@ def _wide_ptx(cfg) -> str:
 # ------------------------------------------------------------------------------------------------
 # consumer_regs: a producer warpgroup that gives registers to the consumers (setmaxnreg).
 # ------------------------------------------------------------------------------------------------
-TILE_256_ROWS = dict(halves=2, row_wgs=2, col_wgs=1, w_blocked=1)
 
 
 def test_consumer_regs_checks():
