@@ -319,13 +319,18 @@ class GemmConfig:
         # of them in flight at once instead of one register-limited round trip per
         # contributor (and per 16 accumulators above M = 64). Not at M = 256 (128 KB each).
         self.slot_bytes = 4 * self.slot_floats
-        self.partials_per_round = (self.stages * self.stage_bytes) // self.slot_bytes
-        self.bulk_reduce = self.partials_per_round >= self.max_segs - 1
+        staging_bytes = self.stages * self.stage_bytes
+        self.bulk_reduce = staging_bytes // self.slot_bytes >= self.max_segs - 1
         # When they do not all fit (M = 256: 128 KB partials), the reducer that comes first in
         # CTA order (in practice always: the tile's first contributor ends its range there,
         # the others start theirs) sums into its own accumulators, staging the others in rounds
         # of as many as fit: §10: the register path's 16-accumulator round trips left a
-        # 10-17 µs tail at M = 256.
+        # 10-17 µs tail at M = 256. A round stages *pieces*: whole partials, or where not even
+        # one fits (256-row tiles at 192 rows: 192 KB partials in 168 KB of buffers) each
+        # warpgroup's halves apart (48 KB), ``slot_pieces`` per partial.
+        self.slot_pieces = 1 if self.slot_bytes <= staging_bytes else self.wgs * self.halves
+        self.piece_floats = self.slot_floats // self.slot_pieces
+        self.pieces_per_round = staging_bytes // (4 * self.piece_floats)
         # Epilogue through shared memory (``y_staging``): each warpgroup writes its bf16 output
         # tile into the buffers of the stage it consumed last (released only afterwards), then
         # stores y as 16-byte vectors, a warp writing four whole 128-byte row segments per
@@ -1080,7 +1085,7 @@ class DecodeGemmKernel:
                     self.sum_partials(accs, stage_area, c_lo, c_hi, cta, tile, wg, wg_tid, True)
                 else:
                     self.sum_partials(accs, mWs.iterator, c_lo, c_hi, cta, tile, wg, wg_tid, False)
-            elif const_expr(cfg.partials_per_round > 0):
+            elif const_expr(cfg.pieces_per_round > 0):
                 if last_tile and cta == c_lo:
                     self.sum_partials_in_rounds(accs, stage_area, mWs, staged, c_lo, c_hi, tile, wg,
                                                 wg_tid, leader)
@@ -1170,41 +1175,59 @@ class DecodeGemmKernel:
     def sum_partials_in_rounds(self, accs, stage_area, mWs, staged, c_lo, c_hi, tile, wg, wg_tid, leader):
         """accs (this CTA's partial, the first in CTA order) += the later contributors'
         partials in CTA order, bulk-copied into the drained pipeline buffers
-        ``partials_per_round`` at a time (the ``staged`` mbarrier, one phase per round).
-        The same adds in the same order as sum_partials, whose running total starts at +0.0:
-        accumulators start at +0.0 and only add, so no partial is -0.0 and 0 + P = P exactly;
-        the result is bitwise the same whichever path the reducer takes."""
+        ``pieces_per_round`` pieces at a time (the ``staged`` mbarrier, one phase per round):
+        whole partials, or each partial's (warpgroup, half) blocks apart (``slot_pieces``),
+        in the order (contributor, block), so every accumulator still meets the contributors
+        in CTA order. The same adds in the same order as sum_partials, whose running total
+        starts at +0.0: accumulators start at +0.0 and only add, so no partial is -0.0 and
+        0 + P = P exactly; the result is bitwise the same whichever path the reducer takes."""
         cfg = self.cfg
         consumers = 128 * cfg.wgs
         f32x4 = ir.VectorType.get([4], Float32.mlir_type)
-        per = cfg.partials_per_round
-        rounds = (c_hi - c_lo + per - 1) // per
+        per = cfg.pieces_per_round
+        pieces = (c_hi - c_lo) * cfg.slot_pieces
+        rounds = (pieces + per - 1) // per
         if leader:
             # The partials were written by other SMs (generic proxy) and acquired; order that
             # before the bulk copies' (async proxy) reads.
             cute.arch.fence_proxy("async.global")
         for r in cutlass.range(rounds, unroll=1):
-            first = c_lo + 1 + r * per
-            count = cutlass.min(c_hi + 1 - first, per)
+            first = r * per
+            count = cutlass.min(pieces - first, per)
             if leader:
-                cute.arch.mbarrier_arrive_and_expect_tx(staged, count * cfg.slot_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(staged, count * 4 * cfg.piece_floats)
                 for q in cutlass.range(count, unroll=1):
-                    bulk_copy_g2s(stage_area + q * cfg.slot_floats,
-                                  mWs.iterator + self.slot_of(first + q, tile) * cfg.slot_floats,
-                                  cfg.slot_bytes, staged)
+                    f = first + q
+                    c = c_lo + 1 + f // cfg.slot_pieces
+                    src = mWs.iterator + (self.slot_of(c, tile) * cfg.slot_floats
+                                          + (f % cfg.slot_pieces) * cfg.piece_floats)
+                    bulk_copy_g2s(stage_area + q * cfg.piece_floats, src, 4 * cfg.piece_floats, staged)
             cute.arch.mbarrier_wait(staged, r % 2)
-            # 16 accumulators at a time, each chunk a loop over the round's partials, so that
+            # 16 accumulators at a time, each chunk a loop over the round's pieces, so that
             # ptxas does not hoist every load at once.
             for h in cutlass.range_constexpr(cfg.halves):
                 for j4s in cutlass.range_constexpr(0, cfg.frag // 4, 4):
                     for q in cutlass.range(count, unroll=1):
-                        for j4 in cutlass.range_constexpr(j4s, min(j4s + 4, cfg.frag // 4)):
-                            part = cute.arch.load(self.ws_ptr(stage_area, q, wg, h, j4, wg_tid), f32x4)
-                            for e in cutlass.range_constexpr(4):
-                                accs[h][4 * j4 + e] = accs[h][4 * j4 + e] + Float32(
-                                    vector.extract(part, dynamic_position=[], static_position=[e]))
+                        if const_expr(cfg.slot_pieces == 1):
+                            block = (q * cfg.wgs + wg) * cfg.halves + h      # ws_ptr's layout, j4 = 0
+                            self.add_staged(accs, h, j4s, stage_area + (block * cfg.frag * 128 + wg_tid * 4), f32x4)
+                        elif (first + q) % cfg.slot_pieces == wg * cfg.halves + h:
+                            # This warpgroup's half of a later contributor: one block of the slot.
+                            self.add_staged(accs, h, j4s, stage_area + (q * cfg.piece_floats + wg_tid * 4), f32x4)
             # Everyone has read this round's buffers before the next round overwrites them.
             cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+
+    @cute.jit
+    def add_staged(self, accs, h: cutlass.Constexpr, j4s: cutlass.Constexpr, first, f32x4):
+        """accs[h][4 j4 .. 4 j4 + 3] += the staged vectors j4 = j4s .. j4s + 3 of one block of
+        a partial (ws_ptr's layout), ``first`` this thread's j4 = 0 vector in shared memory
+        (the next ones 128 vectors apart)."""
+        cfg = self.cfg
+        for j4 in cutlass.range_constexpr(j4s, min(j4s + 4, cfg.frag // 4)):
+            part = cute.arch.load((first + j4 * 512).llvm_ptr, f32x4)
+            for e in cutlass.range_constexpr(4):
+                accs[h][4 * j4 + e] = accs[h][4 * j4 + e] + Float32(
+                    vector.extract(part, dynamic_position=[], static_position=[e]))
 
 
 def discard_l2(line) -> None:

@@ -211,10 +211,15 @@ def test_split_reduction_paths():
     cfg = GemmConfig(64, 8192, 7168)
     assert cfg.bulk_reduce and (cfg.max_segs - 1) * cfg.slot_bytes <= cfg.stages * cfg.stage_bytes
     cfg = GemmConfig(256, 8192, 7168, halves=2)         # (not one unit per CTA): 192 KB of buffers
-    assert (cfg.bulk_reduce, cfg.partials_per_round, cfg.max_segs) == (False, 1, 4)   # 128 KB partials
+    assert (cfg.bulk_reduce, cfg.slot_pieces, cfg.pieces_per_round, cfg.max_segs) == (False, 1, 1, 4)   # 128 KB
     cfg = GemmConfig(129, 1024, 1024)                   # mma_n 80: 80 KB partials
-    assert (cfg.bulk_reduce, cfg.partials_per_round) == (False, 2)
+    assert (cfg.bulk_reduce, cfg.slot_pieces, cfg.pieces_per_round) == (False, 1, 2)
     assert cfg.frag % 4 == 0 and cfg.frag % 16 != 0     # the GPU test that caught a 16-wide loop
+    # 256-row tiles at 192 rows: a 192 KB partial does not fit 3 x 56 KB of buffers; each
+    # warpgroup's halves (48 KB) go apart, three per round.
+    cfg = GemmConfig(192, 7168, 10240, None, consumer_regs=232, **TILE_256_ROWS)
+    assert (cfg.slot_bytes, cfg.stages * cfg.stage_bytes) == (196608, 172032)
+    assert (cfg.bulk_reduce, cfg.slot_pieces, 4 * cfg.piece_floats, cfg.pieces_per_round) == (False, 4, 49152, 3)
 
 
 def test_one_unit_per_cta_where_64_row_units_fill_the_sms():
