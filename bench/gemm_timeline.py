@@ -79,6 +79,24 @@ PATCHES = [
     ("            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid,\n",
      f"            if leader:\n                {_AT.format(6)} = {_T}\n"
      "            self.store_tile(accs, tCcAcc, mY, tile, wg // cfg.col_wgs, wg % cfg.col_wgs, ybuf, wg_tid,\n"),
+    # The fix-up shared out by warpgroup (fixup_split): arrived when the CTA's warpgroups
+    # meet after the main loop; an owning warpgroup stamps ready (its parts' count came),
+    # summed and role 2, and in a CTA that owns no part of the tile a publishing warpgroup
+    # stamps published and role 1.
+    ("        cute.arch.barrier(barrier_id=1, number_of_threads=128 * cfg.wgs)\n        if owner != cta:\n",
+     "        cute.arch.barrier(barrier_id=1, number_of_threads=128 * cfg.wgs)\n"
+     f"        if wg_leader and wg == 0:\n            {_AT.format(4)} = {_T}\n"
+     "        if owner != cta:\n"),
+    ('                cute.arch.red(p_parts, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")\n',
+     '                cute.arch.red(p_parts, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")\n'
+     "                if cta > late_hi or cta - c_lo >= cfg.wgs:\n"
+     f"                    {_AT.format(5)} = {_T}\n                    {_AT.format(7)} = Int32(1)\n"),
+    ("                mCount[tile * cfg.wgs + wg] = Int32(0)    # for the next launch; nobody else reads it\n",
+     "                mCount[tile * cfg.wgs + wg] = Int32(0)    # for the next launch; nobody else reads it\n"
+     f"                {_AT.format(5)} = {_T}\n                {_AT.format(7)} = Int32(2)\n"),
+    ("                              part_of=lambda c: self.staged_slot(c, c_lo, cta))\n",
+     "                              part_of=lambda c: self.staged_slot(c, c_lo, cta))\n"
+     f"            if wg_leader:\n                {_AT.format(6)} = {_T}\n"),
     ('_CACHE = CompileCache("gemm_stream_k", _build', '_CACHE = CompileCache("gemm_timeline", _build'),
 ]
 

@@ -108,7 +108,7 @@ TRIGGER = "early"
 # (bench/gemm.py --tunings); the decode step always runs the defaults.
 TUNING_KNOBS = ("block_k", "row_wgs", "l2_prefetch", "stages", "halves", "y_staging", "col_wgs",
                 "publish_first", "cluster", "x_trim", "pre_wait_stages", "trigger_at", "w_blocked",
-                "w_block_rows", "consumer_regs", "max_split")
+                "w_block_rows", "consumer_regs", "max_split", "fixup_split")
 # Where a CTA executes ``launch_dependents`` (the ``trigger_at`` knob; TRIGGER stays "early",
 # which is conservative for every one of them): at entry (the default), right after its PDL
 # wait, once its consumers have streamed their last k-block (before the last tile's split
@@ -164,7 +164,7 @@ class GemmConfig:
                  x_trim: int | None = None, pre_wait_stages: int | None = None,
                  trigger_at: int | None = None, w_blocked: int | None = None,
                  w_block_rows: int | None = None, consumer_regs: int | None = None,
-                 max_split: int | None = None):
+                 max_split: int | None = None, fixup_split: int | None = None):
         check_shape(m, k, n, epilogue)
         self.m, self.k, self.n, self.epilogue = int(m), int(k), int(n), epilogue
         self.silu = epilogue == "silu_mul"
@@ -407,6 +407,30 @@ class GemmConfig:
         self.x_boxes = ((self.mma_n - 16, 0), (8, self.mma_n - 16)) if self.x_trim else ((self.mma_n, 0),)
         # What TMA delivers per stage (the stage barrier's transaction count).
         self.stage_tx_bytes = self.w_stage_bytes + self.col_wgs * sum(r for r, _ in self.x_boxes) * block_k * 2
+        # The split-tile fix-up shared out by warpgroup (``fixup_split``). Where a CTA's range
+        # is shorter than a tile, two CTAs end their ranges in one tile (qkv at 129-200 rows:
+        # 52 of its 80 tiles on 132 SMs); both finish streaming at the kernel's end, and with
+        # one reducer the other publishes its whole partial, the reducer then sums every
+        # partial and stores the whole y tile: three serial steps of the kernel's tail (2.4,
+        # 2.9 and 2.0 µs at qkv 192 on an H100, bench/gemm_notes.md §49). With the knob, each
+        # warpgroup's part of the tile (its unit, or its batch columns) has one owner among
+        # the CTAs whose range *ends* in the tile (``late_ctas``; in turn, ``part_owner``):
+        # every other CTA publishes that part and counts it on the part's counter, the owner
+        # waits for the count, bulk-copies the parts into its own share of its drained
+        # pipeline (``fixup_region_floats`` floats per warpgroup), sums them in CTA order and
+        # stores that part of y. So each late CTA publishes, sums and stores half as much,
+        # and a CTA's two warpgroups do one part each at once. Same adds in the same order:
+        # the same bits as the single reducer.
+        self.part_floats = self.halves * self.frag * 128        # one warpgroup's share of a slot
+        self.part_bytes = 4 * self.part_floats
+        y_part_floats = self.out_halves * self.mma_n * HALF_ROWS // 2 if self.y_staging else 0
+        self.fixup_region_floats = max((self.max_segs - 1) * self.part_floats, y_part_floats)
+        fixup_fits = self.max_segs > 1 and not self.publish_first \
+            and self.wgs * 4 * self.fixup_region_floats <= staging_bytes
+        self.fixup_split = on_off_knob("fixup_split", fixup_split, False, fixup_fits,
+                                       "where tiles are split, with publish_first=0, and every warpgroup's "
+                                       f"partials and y fitting its share of the {staging_bytes // 1024} KB "
+                                       "pipeline")
 
     @staticmethod
     def _consumer_regs(consumer_regs: int | None) -> int:
@@ -466,6 +490,18 @@ class GemmConfig:
         """Workspace slot of CTA c's partial of ``tile``."""
         return 2 * c if self.cta_range(c)[0] >= tile * self.k_blocks else 2 * c + 1
 
+    def late_ctas(self, tile: int) -> range:
+        """The CTAs whose ranges end in ``tile`` (it is their last): all of a split tile's
+        but the last one, and that one too when its range ends with the tile."""
+        t_end = (tile + 1) * self.k_blocks
+        c_lo, c_hi = self.cta_of(tile * self.k_blocks), self.cta_of(t_end - 1)
+        return range(c_lo, min(c_hi, self.cta_of(t_end) - 1) + 1)
+
+    def part_owner(self, tile: int, wg: int) -> int:
+        """With ``fixup_split``: the CTA that sums warpgroup ``wg``'s part of split ``tile``."""
+        late = self.late_ctas(tile)
+        return late[wg % len(late)]
+
     def __repr__(self) -> str:
         return (f"GemmConfig(m={self.m}, k={self.k}, n={self.n}, epilogue={self.epilogue!r}, "
                 f"ctas={self.ctas}, tiles={self.tiles}, block_k={self.block_k}, k_blocks={self.k_blocks}, "
@@ -476,6 +512,7 @@ class GemmConfig:
                 + (f", pre_wait_stages={self.pre_wait_stages}" if self.pre_wait_stages < self.stages else "")
                 + (f", trigger_at={TRIGGER_POINTS[self.trigger_at]}" if self.trigger_at else "")
                 + (", w_blocked=1" if self.w_blocked else "")
+                + (", fixup_split=1" if self.fixup_split else "")
                 + (f", w_block_rows={self.w_block_rows}" if self.w_block_rows != weight_blocks.BLOCK else "")
                 + (f", consumer_regs={self.consumer_regs}" if self.consumer_regs else "")
                 + (f", max_split={self.max_split}" if self.max_split != MAX_SPLIT else "") + ")")
@@ -570,7 +607,8 @@ class DecodeGemmKernel:
             full: cute.struct.MemRange[Int64, cfg.stages]
             empty: cute.struct.MemRange[Int64, cfg.stages]
             flag: cute.struct.MemRange[Int32, 4]
-            staged: cute.struct.MemRange[Int64, 1]      # the reducer's bulk copies landed
+            # The reducer's bulk copies landed (with fixup_split: each warpgroup's).
+            staged: cute.struct.MemRange[Int64, cfg.wgs if cfg.fixup_split else 1]
             sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sX_layout)], 1024]
 
@@ -647,7 +685,8 @@ class DecodeGemmKernel:
                     # One release per consumer warp of each CTA of the cluster (all of
                     # them multicast x into this stage).
                     cute.arch.mbarrier_init(empty + s, 4 * cfg.wgs * cfg.cluster)
-                cute.arch.mbarrier_init(staged, 1)
+                for w in cutlass.range_constexpr(cfg.wgs if cfg.fixup_split else 1):
+                    cute.arch.mbarrier_init(staged + w, 1)
             cute.arch.mbarrier_init_fence()
         barriers_ready(cfg.cluster)
 
@@ -862,6 +901,9 @@ class DecodeGemmKernel:
 
             if kb_lo == 0 and kb_hi == cfg.k_blocks:
                 self.store_tile(accs, tCcAcc, mY, tile, wg_row, wg_col, ybuf, wg_tid, tile == t_last)
+            elif const_expr(cfg.fixup_split):
+                self.reduce_split_tile_in_parts(accs, tCcAcc, mY, mWs, mCount, cta, tile, wg, wg_row, wg_col,
+                                                wg_tid, staged, stage_area, stage_bufs)
             else:
                 self.reduce_split_tile(accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid,
                                        tile == t_last, staged, stage_area, ybuf)
@@ -934,24 +976,26 @@ class DecodeGemmKernel:
         return col
 
     @cute.jit
-    def store_tile_staged(self, accs, tCcAcc, mY, tile, wg_row, wg_col, bases, wg_tid):
+    def store_tile_staged(self, accs, tCcAcc, mY, tile, wg_row, wg_col, bases, wg_tid, wg_barrier=None):
         """y through shared memory (``bases``: one mma_n x 64 bf16 tile per output half): bf16 into a
         [batch][64 rows] tile per output half whose 16-byte chunks are XOR-swizzled by the
         batch index (chunk = row // 8 ^ batch % 8), so the fragment's 2-byte writes and the
         16-byte reads are both bank-conflict free; then each thread stores 16-byte vectors of
-        y rows (a warp: four whole 128-byte row segments)."""
+        y rows (a warp: four whole 128-byte row segments). ``wg_barrier``: the named barrier
+        of this warpgroup alone when only it uses ``bases`` (fixup_split), else every
+        consumer's."""
         cfg = self.cfg
-        consumers = 128 * cfg.wgs
+        bar_id, bar_threads = (1, 128 * cfg.wgs) if const_expr(wg_barrier is None) else (wg_barrier, 128)
         unit = tile * cfg.row_wgs + wg_row
         pieces = [cute.make_tensor(base, cute.make_layout(cfg.mma_n * HALF_ROWS)) for base in bases]
         # The stage may still be being read by other threads (the reducer's staged partials).
-        cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=bar_threads)
         for j in cutlass.range_constexpr(cute.size(tCcAcc)):
             row, col = tCcAcc[j]
             idx = col * HALF_ROWS + (((row // 8) ^ (col % 8)) * 8) + row % 8
             for h in cutlass.range_constexpr(cfg.out_halves):
                 pieces[h][idx] = self.out_value(accs, h, j).to(BFloat16)
-        cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=bar_threads)
         vec4 = ir.VectorType.get([4], Int32.mlir_type)
         vectors = cfg.mma_n * (HALF_ROWS // 8)
         for h in cutlass.range_constexpr(cfg.out_halves):
@@ -978,16 +1022,21 @@ class DecodeGemmKernel:
                     mY[m, self.out_col(unit, h) + row] = self.out_value(accs, h, j).to(BFloat16)
 
     @cute.jit
+    def part_ptr(self, base, part, h: cutlass.Constexpr, j4: cutlass.Constexpr, wg_tid):
+        """ws_ptr by part: ``part`` = slot * wgs + wg counts ``part_floats`` blocks from ``base``."""
+        cfg = self.cfg
+        vec = ((part * cfg.halves + h) * (cfg.frag // 4) + j4) * 128 + wg_tid
+        return (base + vec * 4).llvm_ptr
+
+    @cute.jit
     def ws_ptr(self, base, slot, wg, h: cutlass.Constexpr, j4: cutlass.Constexpr, wg_tid):
         """Address of accumulators 4*j4 .. 4*j4+3 of half h of thread wg_tid's partial in slot
         ``slot`` of the workspace (``base`` = its first float; the reducer's shared-memory
         staging area has the same layout). Fragment order, thread-minor, four floats per
         thread: each (slot, wg, h, j4) is 128 consecutive 16-byte vectors, so a warp's partial
         stores and loads are 512 contiguous bytes, one 16-byte access per thread; a slot is
-        ``slot_bytes`` contiguous bytes."""
-        cfg = self.cfg
-        vec = (((slot * cfg.wgs + wg) * cfg.halves + h) * (cfg.frag // 4) + j4) * 128 + wg_tid
-        return (base + vec * 4).llvm_ptr
+        ``slot_bytes`` contiguous bytes, its warpgroups' parts one after another."""
+        return self.part_ptr(base, slot * self.cfg.wgs + wg, h, j4, wg_tid)
 
     @cute.jit
     def reduce_split_tile(self, accs, tCcAcc, mY, mWs, mCount, flag, cta, tile, wg, wg_tid,
@@ -1099,6 +1148,81 @@ class DecodeGemmKernel:
             self.discard_partials(mWs, c_lo, c_hi, cta, tile, wg, wg_tid)
 
     @cute.jit
+    def reduce_split_tile_in_parts(self, accs, tCcAcc, mY, mWs, mCount, cta, tile, wg, wg_row, wg_col, wg_tid,
+                                   staged, stage_area, stage_bufs):
+        """``fixup_split``: a split tile's fix-up shared out by warpgroup (GemmConfig).
+
+        Warpgroup w's part of the tile belongs to ``part_owner``: the late CTAs (whose ranges
+        end here, so this is their last tile and their pipeline is drained) take the parts in
+        turn. Any other CTA's warpgroup w publishes its part of the partial and counts it on
+        the part's counter (``tile * wgs + w``); the owner's waits for every count, bulk-copies
+        the others' parts into its own share of the drained pipeline, sums them in CTA order
+        (its own from registers), stores its part of y from there, resets the counter and
+        drops the parts from L2. The warpgroups of one CTA go their own ways (named barrier 2
+        + w): the one that owns its part sums while the other publishes.
+        """
+        cfg = self.cfg
+        t_end = (tile + 1) * cfg.k_blocks
+        c_lo = self.cta_of(tile * cfg.k_blocks)
+        c_hi = self.cta_of(t_end - 1)
+        late_hi = cutlass.min(c_hi, self.cta_of(t_end) - 1)
+        owner = c_lo + wg % (late_hi - c_lo + 1)
+        wg_leader = wg_tid == 0
+        wg_barrier = 2 + wg
+        p_parts = (mCount.iterator + (tile * cfg.wgs + wg)).llvm_ptr
+        # Every warpgroup is past its last wgmma before an owner writes into the pipeline's
+        # buffers (the other one may still read the last stage).
+        cute.arch.barrier(barrier_id=1, number_of_threads=128 * cfg.wgs)
+        if owner != cta:
+            self.publish_partial(accs, mWs, cta, tile, wg, wg_tid)
+            cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
+            if wg_leader:
+                # One release after the barrier, cumulative over the warpgroup's stores.
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.red(p_parts, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")
+        else:
+            region = stage_area + wg * cfg.fixup_region_floats
+            bar = staged + wg
+            if wg_leader:
+                # The other CTAs run (or will: the grid is one wave behind whatever kernel
+                # holds the SMs, and nobody publishing waits on anything), so this takes
+                # microseconds; a count that never comes traps instead of hanging the GPU.
+                deadline = cute.arch.globaltimer() + REDUCER_SPIN_LIMIT_NS
+                published = cute.arch.load(p_parts, Int32, sem="acquire", scope="gpu")
+                while published != c_hi - c_lo:
+                    if cute.arch.globaltimer() > deadline:
+                        cute.arch.inline_ptx("trap;")
+                    published = cute.arch.load(p_parts, Int32, sem="acquire", scope="gpu")
+                mCount[tile * cfg.wgs + wg] = Int32(0)    # for the next launch; nobody else reads it
+                # Written by other SMs (generic proxy), acquired above; the bulk copies read
+                # through the async proxy.
+                cute.arch.fence_proxy("async.global")
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, (c_hi - c_lo) * cfg.part_bytes)
+                for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
+                    if c != cta:
+                        src = mWs.iterator + (self.slot_of(c, tile) * cfg.wgs + wg) * cfg.part_floats
+                        dst = region + self.staged_slot(c, c_lo, cta) * cfg.part_floats
+                        bulk_copy_g2s(dst, src, cfg.part_bytes, bar)
+            cute.arch.mbarrier_wait(bar, 0)      # once per warpgroup: its CTA's last tile
+            self.sum_partials(accs, region, c_lo, c_hi, cta, tile, wg, wg_tid, True,
+                              part_of=lambda c: self.staged_slot(c, c_lo, cta))
+            if const_expr(cfg.y_staging):
+                piece_elems = cfg.mma_n * HALF_ROWS
+                y_base = stage_bufs[0] + wg * 2 * cfg.fixup_region_floats      # bf16 elements
+                self.store_tile_staged(accs, tCcAcc, mY, tile, wg_row, wg_col,
+                                       [y_base + h * piece_elems for h in range(cfg.out_halves)], wg_tid,
+                                       wg_barrier=wg_barrier)
+            else:
+                self.store_tile_direct(accs, tCcAcc, mY, tile, wg_row, wg_col)
+            # The bulk copies have read the parts (the mbarrier): drop them from L2 unwritten.
+            lines = cfg.part_bytes // 128
+            for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
+                if c != cta:
+                    base = mWs.iterator + (self.slot_of(c, tile) * cfg.wgs + wg) * cfg.part_floats
+                    for line in cutlass.range(wg_tid, lines, 128, unroll=1):
+                        discard_l2(base + line * 32)
+
+    @cute.jit
     def publish_partial(self, accs, mWs, cta, tile, wg, wg_tid):
         """Store this thread's accumulators into the CTA's workspace slot for ``tile``."""
         cfg = self.cfg
@@ -1135,13 +1259,15 @@ class DecodeGemmKernel:
         return j
 
     @cute.jit
-    def sum_partials(self, accs, base, c_lo, c_hi, cta, tile, wg, wg_tid, staged: cutlass.Constexpr):
+    def sum_partials(self, accs, base, c_lo, c_hi, cta, tile, wg, wg_tid, staged: cutlass.Constexpr,
+                     part_of=None):
         """accs <- the sum of the tile's partials in CTA order, ours from registers, the others
         from the staging area in shared memory (``staged``) or from the workspace (written by
         other SMs: through L2, ld.cg). With more than 64 accumulators (M > 64) they go in
         chunks of 16, so the running sums and the loaded vectors fit in registers beside the
         accumulators (no spills). Either source gives the same bits: the same adds in the
-        same order."""
+        same order. ``part_of(c)``: where only this warpgroup's parts were staged
+        (fixup_split), the index of contributor c's among them (``part_ptr``)."""
         cfg = self.cfg
         f32x4 = ir.VectorType.get([4], Float32.mlir_type)
         n_acc = cfg.halves * cfg.frag
@@ -1158,11 +1284,13 @@ class DecodeGemmKernel:
                 else:
                     # From shared memory (staged: the others packed in CTA order) or from
                     # the contributor's workspace slot, through L2 (another SM wrote it).
-                    if const_expr(staged):
-                        slot = self.staged_slot(c, c_lo, cta)
+                    if const_expr(part_of is not None):
+                        part = part_of(c)
+                    elif const_expr(staged):
+                        part = self.staged_slot(c, c_lo, cta) * cfg.wgs + wg
                     else:
-                        slot = self.slot_of(c, tile)
-                    parts = [cute.arch.load(self.ws_ptr(base, slot, wg, fs[i][0], fs[i][1] // 4, wg_tid),
+                        part = self.slot_of(c, tile) * cfg.wgs + wg
+                    parts = [cute.arch.load(self.part_ptr(base, part, fs[i][0], fs[i][1] // 4, wg_tid),
                                             f32x4, cop=None if staged else "cg") for i in range(0, size, 4)]
                     for i in cutlass.range_constexpr(size):
                         part = Float32(vector.extract(parts[i // 4], dynamic_position=[],

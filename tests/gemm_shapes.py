@@ -63,6 +63,15 @@ TUNING_CASES = [
     (160, 1024, 4096, None, dict(wide=0, halves=2, row_wgs=2, col_wgs=1, consumer_regs=232)),
     (144, 1024, 1536, None, dict(wide=0, halves=2, row_wgs=1, col_wgs=1, consumer_regs=240)),
     (64, 1024, 5632, "silu_mul", dict(consumer_regs=232)),
+    # The split-tile fix-up shared out by warpgroup (fixup_split): qkv at 192 rows (two CTAs
+    # end in 52 of its 80 tiles), at 160 on W's blocks, up to three late CTAs in a 4-CTA tile,
+    # one warpgroup with y held in a stage, silu_mul, tiles of two CTAs (one owner).
+    (192, 7168, 10240, None, dict(fixup_split=1)),
+    (160, 7168, 10240, None, dict(fixup_split=1, w_blocked=1)),
+    (96, 1024, 4096, None, dict(fixup_split=1)),
+    (64, 8192, 7168, None, dict(fixup_split=1, publish_first=0)),
+    (128, 1024, 5632, "silu_mul", dict(fixup_split=1)),
+    (192, 7168, 36864, None, dict(fixup_split=1)),
     # The split-tile protocol that is not the default there: publish first (every
     # contributor writes its partial, then arrives) from 32 rows and on gate_up, arrive first
     # at <= 16 rows on the few-tile shapes; bulk-copied partials, register sums, rounds.

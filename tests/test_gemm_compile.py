@@ -111,6 +111,80 @@ def test_stream_k_partition_max_split(max_split, ctas):
         GemmConfig(8, 7168, 10240, max_split=1)
 
 
+# The split-tile fix-up shared out by warpgroup (fixup_split): qkv at 160 / 192 rows (two late
+# CTAs in 52 of 80 tiles), up to three late CTAs per tile (more than the two warpgroups), one
+# warpgroup (y held in a stage), silu_mul, and tiles of at most two CTAs (one owner).
+FIXUP_CASES = [(192, 7168, 10240, None, {}), (160, 7168, 10240, None, {}), (96, 1024, 4096, None, {}),
+               (64, 8192, 7168, None, {"publish_first": 0}), (128, 1024, 5632, "silu_mul", {}),
+               (192, 7168, 36864, None, {})]
+
+
+@pytest.mark.parametrize("m, k, n, epilogue, knobs", FIXUP_CASES)
+def test_fixup_split_owners(m, k, n, epilogue, knobs):
+    """Every warpgroup part of a split tile has one owner, a CTA whose range ends in the tile
+    (its last, so its pipeline is drained there); a warpgroup owns at most one part (one
+    phase of its staging mbarrier); the parts' counters and staged parts fit."""
+    cfg = GemmConfig(m, k, n, epilogue, fixup_split=1, **knobs)
+    check_partition(cfg, 132)
+    kb = cfg.k_blocks
+    owned: dict[tuple[int, int], int] = {}
+    for t in range(cfg.tiles):
+        c_lo, c_hi = cfg.cta_of(t * kb), cfg.cta_of(t * kb + kb - 1)
+        if c_lo == c_hi:
+            continue
+        late = cfg.late_ctas(t)
+        assert late.start == c_lo
+        for c in range(c_lo, c_hi + 1):
+            assert (c in late) == (cfg.cta_range(c)[1] <= (t + 1) * kb)
+        for w in range(cfg.wgs):
+            owner = cfg.part_owner(t, w)
+            assert owner in late and (owner, w) not in owned
+            owned[(owner, w)] = t
+            assert t * cfg.wgs + w < 2 * cfg.tiles          # the part's counter
+        assert (c_hi - c_lo) * cfg.part_floats <= cfg.fixup_region_floats
+    assert cfg.wgs * 4 * cfg.fixup_region_floats <= cfg.stages * cfg.stage_bytes
+
+
+def test_fixup_split_shares_qkv_192():
+    """At qkv 192 rows the 52 tiles that two CTAs end in get one owner per warpgroup each."""
+    cfg = GemmConfig(192, 7168, 10240, None, fixup_split=1)
+    shared = [t for t in range(cfg.tiles) if cfg.part_owner(t, 0) != cfg.part_owner(t, 1)]
+    assert len(shared) == 52
+
+
+@pytest.mark.parametrize("m, k, n, knobs, why", [
+    (256, 7168, 10240, {}, "fitting"),                 # 128 KB partials: 2 x 128 KB > 192 KB
+    (8, 8192, 7168, {}, "publish_first=0"),             # publishes first by default there
+    (192, 8192, 7168, {}, "tiles are split"),           # one whole-K unit per CTA
+])
+def test_fixup_split_refused(m, k, n, knobs, why):
+    with pytest.raises(ValueError, match=f"fixup_split=1 unsupported here.*{why}"):
+        GemmConfig(m, k, n, None, fixup_split=1, **knobs)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
+def test_fixup_split_ptx(tmp_path):
+    """The shared fix-up after the PDL wait: per-part release (fence + red) and acquire
+    (polling loads), the parts bulk-copied into shared memory (no partial loaded from L2 by
+    a thread), warpgroup barriers by register, the parts dropped from L2; no spill, no
+    serialized wgmma."""
+    ptx = linear_ptx(192, 7168, 10240, None, fixup_split=1)
+    wait = ptx.index("griddepcontrol.wait")
+    after = ptx[wait:]
+    for op in ("fence.acq_rel.gpu", "red.relaxed.gpu.global.add.s32", "ld.acquire.gpu.global",
+               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "discard.global.L2",
+               "st.global.v4.b32"):
+        assert op in after, op
+    assert "discard." not in ptx[:wait] and not re.search(r"\sred\.", ptx[:wait])
+    assert not re.search(r"ld\.global\.cg", ptx)
+    assert re.search(r"bar\.sync\s+%r\d+, 128;", ptx)
+    src = tmp_path / "gemm.ptx"
+    src.write_text(ptx)
+    report = run_ptxas(src, tmp_path / "gemm.cubin", "-v")
+    assert "0 bytes spill stores" in report, report
+    assert "C7514" not in report, report
+
+
 def check_partition(cfg: GemmConfig, sms: int) -> None:
     """Every (tile, k-block) iteration belongs to one CTA, split tiles use distinct workspace
     slots, and the CTAs' ranges are balanced."""
@@ -645,7 +719,7 @@ def test_timeline_instrumentation_still_applies():
     spec.loader.exec_module(timeline)
     src = timeline.instrumented_source()
     ast.parse(src)
-    assert src.count("globaltimer_lo()") == 8 and 'CompileCache("gemm_timeline"' in src
+    assert src.count("globaltimer_lo()") == 12 and 'CompileCache("gemm_timeline"' in src
     # Its workspaces (which hold the timer words) are apart from the shipped kernel's.
     assert '("gemm_timeline", index' in src and '("gemm", index' not in src
 

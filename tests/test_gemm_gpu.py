@@ -154,6 +154,7 @@ def _capture(fn, warmup: bool = True, programmatic_edges: int = 0):
     (256, 8192, 7168, None, {}),        # the whole-K tiles
     (256, 8192, 7168, None, {"cluster": 4}),                # ... in clusters of four (W and x shared)
     (200, 1024, 4096, None, {"wide": 1, "n_tile": 16}),     # ... several per CTA
+    (192, 7168, 10240, None, {"fixup_split": 1}),           # the fix-up shared out: its counters reset
 ])
 def test_graph_replay_is_bitwise_deterministic(m, k, n, epilogue, tuning):
     x, w = _inputs(m, k, n)
@@ -172,6 +173,26 @@ def test_graph_replay_is_bitwise_deterministic(m, k, n, epilogue, tuning):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), first.view(torch.int16)), f"replay {i} differs"
+
+
+@pytest.mark.parametrize("m, k, n, epilogue, knobs", [
+    (192, 7168, 10240, None, {}),
+    (96, 1024, 4096, None, {}),
+    (64, 8192, 7168, None, {"publish_first": 0}),
+    (128, 1024, 5632, "silu_mul", {}),
+])
+def test_fixup_split_gives_the_single_reducers_bits(m, k, n, epilogue, knobs):
+    """The fix-up shared out by warpgroup (fixup_split) adds the same partials in the same
+    order as one reducer per tile: the outputs are bitwise equal, with PDL and without."""
+    x, w = _inputs(m, k, n, seed=3)
+    outs = []
+    for fixup in (0, 1):
+        out = _out(m, n, epilogue)
+        gemm.linear(x, w, out, epilogue=epilogue, use_pdl=bool(fixup), fixup_split=fixup, **knobs)
+        torch.cuda.synchronize()
+        outs.append(out)
+    _check_close(outs[0], _reference(x, w, epilogue))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
 def test_graph_chain_of_gemms():
