@@ -33,7 +33,9 @@ Structure
   all partials in CTA order, its own from registers, writes y and resets both counters for
   the next launch. With small partials (M <= 16) and several CTAs ending in one tile, every
   contributor publishes *before* arriving instead (``publish_first``), which saves the last
-  one a round trip. The order, not the arrival, fixes the result: replays are bitwise equal.
+  one a round trip. With large ones (two warpgroups, 129-200 rows) the fix-up is shared out
+  instead (``fixup_split``): each warpgroup's part of the tile is summed and stored by one of
+  the CTAs whose ranges end in it, which stages the others' parts with bulk copies. The order, not the arrival, fixes the result: replays are bitwise equal.
   When the tile is the last CTA's last (always, unless timing is pathological) and the
   others' partials fit in its drained pipeline buffers, it bulk-copies them there
   (``cp.async.bulk``, all in flight at once) and sums from shared memory; when they do not
@@ -120,6 +122,7 @@ DEFAULT_BLOCK_K = 64       # 128 lost on 19 of 24 rows of bench/gemm.py (H200, b
 HALF_ROWS = 64             # W rows per wgmma (the instruction's M)
 Y_STAGING_MIN_MMA_N = 64   # y through shared memory from 64 batch columns (GemmConfig.y_staging)
 PUBLISH_FIRST_MAX_MMA_N = 16  # split tiles publish before arriving up to 16 batch columns (GemmConfig)
+FIXUP_SPLIT_MIN_MMA_N = 144   # split tiles' fix-up shared out by warpgroup from 129 rows (GemmConfig)
 # The split-tile reducer's wait for published partials gives up (``trap``: the launch fails
 # with a CUDA error) after this long. Legitimately microseconds; a context switch to another
 # process's work lasts milliseconds.
@@ -420,14 +423,19 @@ class GemmConfig:
         # pipeline (``fixup_region_floats`` floats per warpgroup), sums them in CTA order and
         # stores that part of y. So each late CTA publishes, sums and stores half as much,
         # and a CTA's two warpgroups do one part each at once. Same adds in the same order:
-        # the same bits as the single reducer.
+        # the same bits as the single reducer. Measured on an H100 (bench/gemm_notes.md §50,
+        # 3 interleaved rounds): qkv 1.1-2.4% faster at 144-192 rows (the tail after the last
+        # k-block 5.1 -> 3.9 µs at 192), gate_up and lm_head tied to 2% faster at 144-200, but
+        # qkv 1.1% slower at 96 (partials of 48 KB, whose round trips are short anyway), so it
+        # is on by default with two warpgroups from FIXUP_SPLIT_MIN_MMA_N batch columns up.
         self.part_floats = self.halves * self.frag * 128        # one warpgroup's share of a slot
         self.part_bytes = 4 * self.part_floats
         y_part_floats = self.out_halves * self.mma_n * HALF_ROWS // 2 if self.y_staging else 0
         self.fixup_region_floats = max((self.max_segs - 1) * self.part_floats, y_part_floats)
         fixup_fits = self.max_segs > 1 and not self.publish_first \
             and self.wgs * 4 * self.fixup_region_floats <= staging_bytes
-        self.fixup_split = on_off_knob("fixup_split", fixup_split, False, fixup_fits,
+        self.fixup_split = on_off_knob("fixup_split", fixup_split,
+                                       fixup_fits and self.wgs == 2 and self.mma_n >= FIXUP_SPLIT_MIN_MMA_N, fixup_fits,
                                        "where tiles are split, with publish_first=0, and every warpgroup's "
                                        f"partials and y fitting its share of the {staging_bytes // 1024} KB "
                                        "pipeline")

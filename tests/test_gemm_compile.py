@@ -147,9 +147,21 @@ def test_fixup_split_owners(m, k, n, epilogue, knobs):
 
 def test_fixup_split_shares_qkv_192():
     """At qkv 192 rows the 52 tiles that two CTAs end in get one owner per warpgroup each."""
-    cfg = GemmConfig(192, 7168, 10240, None, fixup_split=1)
+    cfg = GemmConfig(192, 7168, 10240, None)
+    assert cfg.fixup_split == 1                                  # the default from 129 rows
     shared = [t for t in range(cfg.tiles) if cfg.part_owner(t, 0) != cfg.part_owner(t, 1)]
     assert len(shared) == 52
+
+
+@pytest.mark.parametrize("m, k, n, epilogue, on", [
+    (128, 7168, 10240, None, 0), (129, 7168, 10240, None, 1), (192, 7168, 10240, None, 1),
+    (200, 7168, 10240, None, 0),                   # does not fit: 208 columns
+    (160, 7168, 163840, None, 1), (96, 7168, 163840, None, 0),
+    (160, 7168, 36864, "silu_mul", 0),             # two batch warpgroups of 80 columns (tied, §50)
+])
+def test_fixup_split_default(m, k, n, epilogue, on):
+    """On by default with two warpgroups from 129 rows where it fits (measured: §50)."""
+    assert GemmConfig(m, k, n, epilogue).fixup_split == on
 
 
 @pytest.mark.parametrize("m, k, n, knobs, why", [
