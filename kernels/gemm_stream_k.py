@@ -1111,15 +1111,8 @@ class DecodeGemmKernel:
             if leader:
                 if const_expr(not cfg.publish_first):
                     # Every other contributor has arrived; wait until each has published.
-                    # They are running and publish right after arriving, so this takes
-                    # microseconds; a count that never comes (a counter another kernel
-                    # touched) traps after REDUCER_SPIN_LIMIT_NS instead of hanging the GPU.
-                    deadline = cute.arch.globaltimer() + REDUCER_SPIN_LIMIT_NS
-                    ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
-                    while ready != c_hi - c_lo:
-                        if cute.arch.globaltimer() > deadline:
-                            cute.arch.inline_ptx("trap;")
-                        ready = cute.arch.load(p_ready, Int32, sem="acquire", scope="gpu")
+                    # They are running and publish right after arriving: microseconds.
+                    self.wait_for_count(p_ready, c_hi - c_lo)
                     mCount[cfg.tiles + tile] = Int32(0)
                 mCount[tile] = Int32(0)   # counters back to zero for the next launch; nobody
                                           # else touches them in this one
@@ -1193,14 +1186,8 @@ class DecodeGemmKernel:
             bar = staged + wg
             if wg_leader:
                 # The other CTAs run (or will: the grid is one wave behind whatever kernel
-                # holds the SMs, and nobody publishing waits on anything), so this takes
-                # microseconds; a count that never comes traps instead of hanging the GPU.
-                deadline = cute.arch.globaltimer() + REDUCER_SPIN_LIMIT_NS
-                published = cute.arch.load(p_parts, Int32, sem="acquire", scope="gpu")
-                while published != c_hi - c_lo:
-                    if cute.arch.globaltimer() > deadline:
-                        cute.arch.inline_ptx("trap;")
-                    published = cute.arch.load(p_parts, Int32, sem="acquire", scope="gpu")
+                # holds the SMs, and nobody publishing waits on anything): microseconds.
+                self.wait_for_count(p_parts, c_hi - c_lo)
                 mCount[tile * cfg.wgs + wg] = Int32(0)    # for the next launch; nobody else reads it
                 # Written by other SMs (generic proxy), acquired above; the bulk copies read
                 # through the async proxy.
@@ -1229,6 +1216,18 @@ class DecodeGemmKernel:
                     base = mWs.iterator + (self.slot_of(c, tile) * cfg.wgs + wg) * cfg.part_floats
                     for line in cutlass.range(wg_tid, lines, 128, unroll=1):
                         discard_l2(base + line * 32)
+
+    @cute.jit
+    def wait_for_count(self, p_count, count):
+        """Poll the counter at ``p_count`` (acquire, GPU scope) until it reads ``count``. A count
+        that never comes (a counter another kernel touched) traps after REDUCER_SPIN_LIMIT_NS:
+        the launch fails with a CUDA error instead of hanging the GPU."""
+        deadline = cute.arch.globaltimer() + REDUCER_SPIN_LIMIT_NS
+        seen = cute.arch.load(p_count, Int32, sem="acquire", scope="gpu")
+        while seen != count:
+            if cute.arch.globaltimer() > deadline:
+                cute.arch.inline_ptx("trap;")
+            seen = cute.arch.load(p_count, Int32, sem="acquire", scope="gpu")
 
     @cute.jit
     def publish_partial(self, accs, mWs, cta, tile, wg, wg_tid):
