@@ -35,7 +35,8 @@ Structure
   contributor publishes *before* arriving instead (``publish_first``), which saves the last
   one a round trip. With large ones (two warpgroups, 129-200 rows) the fix-up is shared out
   instead (``fixup_split``): each warpgroup's part of the tile is summed and stored by one of
-  the CTAs whose ranges end in it, which stages the others' parts with bulk copies. The order, not the arrival, fixes the result: replays are bitwise equal.
+  the CTAs whose ranges end in it, which stages the others' parts with bulk copies. The
+  order, not the arrival, fixes the result: replays are bitwise equal.
   When the tile is the last CTA's last (always, unless timing is pathological) and the
   others' partials fit in its drained pipeline buffers, it bulk-copies them there
   (``cp.async.bulk``, all in flight at once) and sums from shared memory; when they do not
@@ -1195,7 +1196,7 @@ class DecodeGemmKernel:
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, (c_hi - c_lo) * cfg.part_bytes)
                 for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
                     if c != cta:
-                        src = mWs.iterator + (self.slot_of(c, tile) * cfg.wgs + wg) * cfg.part_floats
+                        src = self.published_part(mWs, c, tile, wg)
                         dst = region + self.staged_slot(c, c_lo, cta) * cfg.part_floats
                         bulk_copy_g2s(dst, src, cfg.part_bytes, bar)
             cute.arch.mbarrier_wait(bar, 0)      # once per warpgroup: its CTA's last tile
@@ -1213,9 +1214,13 @@ class DecodeGemmKernel:
             lines = cfg.part_bytes // 128
             for c in cutlass.range(c_lo, c_hi + 1, unroll=1):
                 if c != cta:
-                    base = mWs.iterator + (self.slot_of(c, tile) * cfg.wgs + wg) * cfg.part_floats
                     for line in cutlass.range(wg_tid, lines, 128, unroll=1):
-                        discard_l2(base + line * 32)
+                        discard_l2(self.published_part(mWs, c, tile, wg) + line * 32)
+
+    @cute.jit
+    def published_part(self, mWs, c, tile, wg):
+        """Where contributor c's part ``wg`` of ``tile`` is in the workspace (its first float)."""
+        return mWs.iterator + (self.slot_of(c, tile) * self.cfg.wgs + wg) * self.cfg.part_floats
 
     @cute.jit
     def wait_for_count(self, p_count, count):
@@ -1292,12 +1297,12 @@ class DecodeGemmKernel:
                     # From shared memory (staged: the others packed in CTA order) or from
                     # the contributor's workspace slot, through L2 (another SM wrote it).
                     if const_expr(part_of is not None):
-                        part = part_of(c)
+                        src = part_of(c)
                     elif const_expr(staged):
-                        part = self.staged_slot(c, c_lo, cta) * cfg.wgs + wg
+                        src = self.staged_slot(c, c_lo, cta) * cfg.wgs + wg
                     else:
-                        part = self.slot_of(c, tile) * cfg.wgs + wg
-                    parts = [cute.arch.load(self.part_ptr(base, part, fs[i][0], fs[i][1] // 4, wg_tid),
+                        src = self.slot_of(c, tile) * cfg.wgs + wg
+                    parts = [cute.arch.load(self.part_ptr(base, src, fs[i][0], fs[i][1] // 4, wg_tid),
                                             f32x4, cop=None if staged else "cg") for i in range(0, size, 4)]
                     for i in cutlass.range_constexpr(size):
                         part = Float32(vector.extract(parts[i // 4], dynamic_position=[],
