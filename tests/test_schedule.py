@@ -158,7 +158,7 @@ def test_an_edge_kind_that_is_neither_full_nor_pdl_is_refused(tiny):
 def test_linear_implementation_follows_the_measured_crossover():
     """Each captured batch size gets its own schedule: the decode GEMM where it was measured
     faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, down up to 96,
-    o_proj up to 224, gate_up up to 256), cuBLAS elsewhere and when no batch size is known. A
+    qkv up to 160, o_proj up to 224, gate_up up to 256), cuBLAS elsewhere and when no batch size is known. A
     node-name entry overrides the kind's."""
     from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
 
@@ -178,13 +178,14 @@ def test_linear_implementation_follows_the_measured_crossover():
         impls = linear_impls(build_schedule(g, batch=batch))
         return {node.split(".", 1)[1] for node, impl in impls.items() if impl == "cute"}
 
-    assert on_decode_gemm(96) == {"attn.o_proj", "mlp.gate_up", "mlp.down"}
-    assert on_decode_gemm(97) == on_decode_gemm(128) == on_decode_gemm(224) == {"attn.o_proj", "mlp.gate_up"}
+    assert on_decode_gemm(96) == {"attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down"}
+    assert on_decode_gemm(97) == on_decode_gemm(160) == {"attn.qkv", "attn.o_proj", "mlp.gate_up"}
+    assert on_decode_gemm(161) == on_decode_gemm(224) == {"attn.o_proj", "mlp.gate_up"}
     assert on_decode_gemm(225) == on_decode_gemm(256) == {"mlp.gate_up"}
     at128 = build_schedule(g, batch=128)
-    assert at128.implementation_summary()["linear"] == "cublas/cute"
-    assert at128.kernel("L03.attn.qkv").edge == "full"         # cuBLAS never waits
-    assert at128.kernel("L03.mlp.gate_up").edge == "pdl"
+    assert at128.implementation_summary()["linear"] == "cute/cublas"
+    assert at128.kernel("L03.mlp.down").edge == "full"         # cuBLAS never waits
+    assert at128.kernel("L03.attn.qkv").edge == at128.kernel("L03.mlp.gate_up").edge == "pdl"
     assert set(linear_impls(build_schedule(g, batch=257)).values()) == {"cublas"}   # past the decode GEMM's M
     tiny = build_graph(load_spec("layer_specs/tiny.yaml"))     # not a Kimi shape: cuBLAS from 17 rows
     assert set(linear_impls(build_schedule(tiny, batch=DECODE_GEMM_MAX_BATCH + 1)).values()) == {"cublas"}

@@ -11,9 +11,9 @@ cuBLAS (through torch) cannot execute ``griddepcontrol.wait``, so the scheduler 
 only through a full edge. The CuTe DSL decode GEMM streams its weights before the wait.
 
 Which one a captured batch size gets by default was measured (bench/gemm.py and
-bench/step_ab.py on H200s, and on H100s for down and o_proj; bench/gemm_notes.md): the decode GEMM up to
+bench/step_ab.py on H200s, and on H100s for down, o_proj and qkv; bench/gemm_notes.md): the decode GEMM up to
 ``DECODE_GEMM_MAX_BATCH`` rows on every linear shape, and on the Kimi shapes up to the rows
-listed in ``DECODE_GEMM_CROSSOVER`` (64; down 96, o_proj 224, gate_up 256); cuBLAS above. Where the decode GEMM is the only reader of
+listed in ``DECODE_GEMM_CROSSOVER`` (64; down 96, qkv 160, o_proj 224, gate_up 256); cuBLAS above. Where the decode GEMM is the only reader of
 a weight at every captured batch size, the build stores that weight in 64 x 64 blocks
 (graphc/plan.py), which it streams 2-7% faster.
 """
@@ -137,10 +137,18 @@ DECODE_GEMM_MAX_BATCH = 16
 # lose to cuBLAS). down -2.0% at 96 rows on both boards but +0.5-0.8% at 160 (and at 128 its
 # whole-K tiles read rows, which would keep its weight row-major at every size): up to 96.
 # Not yet A/B-measured in the step on an H200.
+# qkv per role (session 50, one H100, `bench/step_ab.py layer_specs/kimi_k3_dense_8l.yaml
+# --batch-sizes 96,128,160,192 --rounds 3 --variant qkv_cute:impl.attn.qkv=cute`, twice at 96 and
+# 192, bench/results/step_qkv_on_decode_gemm_ab_8l_96_192_*_session50*): the 8-layer step 1.0 /
+# 1.2% faster at 96 rows, 0.5% at 128, 0.4% at 160, 0.3 / 0.7% at 192, every round. Alone the
+# decode GEMM is 0.95-0.98x cuBLAS at 96-192 rows on that H100 (since the shared fix-up of
+# bench/gemm_notes.md §50), 0.96x at 128 and 160 rows on an H200 (§21, §48) but 1.08x at 192
+# there, the issue's target board: so qkv runs it up to 160 rows. (lm_head the same way: 0.6%
+# faster at 96 rows, tied at 128-192; it stays at 64.)
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 256,
     (18432, 7168, None): 96,        # down
-    (7168, 10240, None): 64,        # qkv
+    (7168, 10240, None): 160,       # qkv
     (8192, 7168, None): 224,        # o_proj
     (7168, 163840, None): 64,       # lm_head
 }
