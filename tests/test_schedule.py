@@ -157,8 +157,8 @@ def test_an_edge_kind_that_is_neither_full_nor_pdl_is_refused(tiny):
 
 def test_linear_implementation_follows_the_measured_crossover():
     """Each captured batch size gets its own schedule: the decode GEMM where it was measured
-    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, down up to 96,
-    qkv up to 160, o_proj up to 224, gate_up up to 256), cuBLAS elsewhere and when no batch size is known. A
+    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, down and lm_head
+    up to 96, qkv up to 160, o_proj up to 224, gate_up up to 256), cuBLAS elsewhere and when no batch size is known. A
     node-name entry overrides the kind's."""
     from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
 
@@ -176,9 +176,9 @@ def test_linear_implementation_follows_the_measured_crossover():
     assert at64.kernel("L03.mlp.gate_up").edge == at64.kernel("L03.attn.qkv").edge == "pdl"  # behind AttnRes
     def on_decode_gemm(batch):
         impls = linear_impls(build_schedule(g, batch=batch))
-        return {node.split(".", 1)[1] for node, impl in impls.items() if impl == "cute"}
+        return {node.split(".", 1)[-1] for node, impl in impls.items() if impl == "cute"}   # lm_head: no layer
 
-    assert on_decode_gemm(96) == {"attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down"}
+    assert on_decode_gemm(96) == {"attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down", "lm_head"}
     assert on_decode_gemm(97) == on_decode_gemm(160) == {"attn.qkv", "attn.o_proj", "mlp.gate_up"}
     assert on_decode_gemm(161) == on_decode_gemm(224) == {"attn.o_proj", "mlp.gate_up"}
     assert on_decode_gemm(225) == on_decode_gemm(256) == {"mlp.gate_up"}

@@ -11,9 +11,9 @@ cuBLAS (through torch) cannot execute ``griddepcontrol.wait``, so the scheduler 
 only through a full edge. The CuTe DSL decode GEMM streams its weights before the wait.
 
 Which one a captured batch size gets by default was measured (bench/gemm.py and
-bench/step_ab.py on H200s, and on H100s for down, o_proj and qkv; bench/gemm_notes.md): the decode GEMM up to
+bench/step_ab.py on H200s, and on H100s for down, o_proj, qkv and lm_head; bench/gemm_notes.md): the decode GEMM up to
 ``DECODE_GEMM_MAX_BATCH`` rows on every linear shape, and on the Kimi shapes up to the rows
-listed in ``DECODE_GEMM_CROSSOVER`` (64; down 96, qkv 160, o_proj 224, gate_up 256); cuBLAS above. Where the decode GEMM is the only reader of
+listed in ``DECODE_GEMM_CROSSOVER`` (64; down and lm_head 96, qkv 160, o_proj 224, gate_up 256); cuBLAS above. Where the decode GEMM is the only reader of
 a weight at every captured batch size, the build stores that weight in 64 x 64 blocks
 (graphc/plan.py), which it streams 2-7% faster.
 """
@@ -143,14 +143,15 @@ DECODE_GEMM_MAX_BATCH = 16
 # 1.2% faster at 96 rows, 0.5% at 128, 0.4% at 160, 0.3 / 0.7% at 192, every round. Alone the
 # decode GEMM is 0.95-0.98x cuBLAS at 96-192 rows on that H100 (since the shared fix-up of
 # bench/gemm_notes.md §50), 0.96x at 128 and 160 rows on an H200 (§21, §48) but 1.08x at 192
-# there, the issue's target board: so qkv runs it up to 160 rows. (lm_head the same way: 0.6%
-# faster at 96 rows, tied at 128-192; it stays at 64.)
+# there, the issue's target board: so qkv runs it up to 160 rows. lm_head the same way (two
+# leases of the same kind of H100, bench/results/step_lm_head_on_decode_gemm_ab_8l_*_session50*):
+# 1.1% faster at 80 rows, 0.6 / 0.4% at 96, tied at 112-192 (alone 1.00x cuBLAS at 96-160): up to 96.
 DECODE_GEMM_CROSSOVER = {
     (7168, 36864, "silu_mul"): 256,
     (18432, 7168, None): 96,        # down
     (7168, 10240, None): 160,       # qkv
     (8192, 7168, None): 224,        # o_proj
-    (7168, 163840, None): 64,       # lm_head
+    (7168, 163840, None): 96,       # lm_head
 }
 
 
