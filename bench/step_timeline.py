@@ -71,10 +71,10 @@ def main() -> None:
     targets = set()
     for name in args.shapes:
         k, n, e = shapes[name]
-        crossover = linear_op.DECODE_GEMM_CROSSOVER.get((k, n, e), linear_op.DECODE_GEMM_MAX_BATCH)
-        if crossover < b:
-            print(f"{name}: decode GEMM up to {b} rows for this run (the default crossover is {crossover})")
-            linear_op.DECODE_GEMM_CROSSOVER[(k, n, e)] = b
+        rows = linear_op.decode_gemm_rows(k, n, e)
+        if not linear_op.decode_gemm_default(k, n, e, b):
+            print(f"{name}: decode GEMM at {b} rows for this run (by default it runs at {rows})")
+            linear_op.DECODE_GEMM_ROWS[(k, n, e)] = rows + ((b, b),)
         targets.add((b, k, n, e))
     route_to_instrumented(g, targets)
     step = build(args.spec, [b], device="cuda", progress=None)

@@ -38,7 +38,7 @@ def test_a_schedule_needs_one_gemm_per_shape_and_batch_one_attn_res_per_configur
     linear = {(op.k, op.n, op.epilogue) for op in _ops(kimi_graph, LinearOp)}
     # Every linear shape at every size where the decode GEMM is its default, and nowhere else.
     assert gemms == {(b, k, n, e) for b in sizes for k, n, e in linear
-                     if b <= LinearOp(name="x", k=k, n=n, epilogue=e).decode_gemm_max_batch()}
+                     if LinearOp(name="x", k=k, n=n, epilogue=e).decode_gemm_default(b)}
     assert all(key[4] == SMS for m, key in variants if m == gemm_stream_k.__name__)
 
     attention = {key for m, key in variants if m == decode_attention_tma.__name__}

@@ -155,10 +155,28 @@ def test_an_edge_kind_that_is_neither_full_nor_pdl_is_refused(tiny):
     assert [str(r) for r in verify(s)] == ["L00.attn.o_proj: unknown edge kind 'programmatic'"]
 
 
+def test_decode_gemm_rows_are_ordered_spans_from_one_row_within_its_batch_limit():
+    """DECODE_GEMM_ROWS: per Kimi shape, inclusive (first, last) spans of captured batch sizes,
+    in order, apart, inside the decode GEMM's 1-256 rows, the first from 1 row (every shape
+    runs it up to DECODE_GEMM_MAX_BATCH); any other shape: 1 to DECODE_GEMM_MAX_BATCH."""
+    from graphc.kernels.gemm_contract import MAX_M
+    from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, DECODE_GEMM_ROWS, decode_gemm_default, decode_gemm_rows
+
+    for (k, n, e), spans in DECODE_GEMM_ROWS.items():
+        assert spans[0][0] == 1 and spans[0][1] >= DECODE_GEMM_MAX_BATCH
+        assert all(first <= last for first, last in spans) and spans[-1][1] <= MAX_M
+        assert all(prev_last + 1 < first for (_, prev_last), (first, _) in zip(spans, spans[1:]))
+        rows = [b for b in range(1, MAX_M + 2) if decode_gemm_default(k, n, e, b)]
+        assert rows == [b for first, last in spans for b in range(first, last + 1)]
+    assert decode_gemm_rows(1024, 1536, None) == ((1, DECODE_GEMM_MAX_BATCH),)
+    assert decode_gemm_default(1024, 1536, None, DECODE_GEMM_MAX_BATCH)
+    assert not decode_gemm_default(1024, 1536, None, DECODE_GEMM_MAX_BATCH + 1)
+
+
 def test_linear_implementation_follows_the_measured_crossover():
     """Each captured batch size gets its own schedule: the decode GEMM where it was measured
-    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, down and lm_head
-    up to 96, qkv up to 160, o_proj up to 224, gate_up up to 256), cuBLAS elsewhere and when no batch size is known. A
+    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, down up to 96 and
+    at 192 and 224, lm_head up to 96, qkv up to 160, o_proj up to 224, gate_up up to 256), cuBLAS elsewhere and when no batch size is known. A
     node-name entry overrides the kind's."""
     from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
 
@@ -180,7 +198,9 @@ def test_linear_implementation_follows_the_measured_crossover():
 
     assert on_decode_gemm(96) == {"attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down", "lm_head"}
     assert on_decode_gemm(97) == on_decode_gemm(160) == {"attn.qkv", "attn.o_proj", "mlp.gate_up"}
-    assert on_decode_gemm(161) == on_decode_gemm(224) == {"attn.o_proj", "mlp.gate_up"}
+    assert on_decode_gemm(161) == on_decode_gemm(191) == on_decode_gemm(193) == on_decode_gemm(223) \
+        == {"attn.o_proj", "mlp.gate_up"}
+    assert on_decode_gemm(192) == on_decode_gemm(224) == {"attn.o_proj", "mlp.gate_up", "mlp.down"}
     assert on_decode_gemm(225) == on_decode_gemm(256) == {"mlp.gate_up"}
     at128 = build_schedule(g, batch=128)
     assert at128.implementation_summary()["linear"] == "cute/cublas"

@@ -360,8 +360,8 @@ def test_calls_of_one_step_from_two_streams_run_one_after_the_other():
 
 
 def test_two_steps_on_cublas_run_on_two_streams_at_once(monkeypatch):
-    """The same at 128 rows, where down and lm_head run cuBLAS (DECODE_GEMM_CROSSOVER is 96 for
-    both) and down splits K through cuBLAS's workspace: torch keeps that workspace per
+    """The same at 128 rows, where down and lm_head run cuBLAS (DECODE_GEMM_ROWS: up to 96 rows
+    for both) and down splits K through cuBLAS's workspace: torch keeps that workspace per
     stream, and each plan captures on a stream of its own (graphc/capture_stream.py). Both
     builds here get one and the same stream from every ``torch.cuda.Stream()``, as two builds
     do when torch's 32-stream pool comes round: captured on pooled streams, their cuBLAS GEMMs

@@ -43,15 +43,15 @@ def test_only_the_decode_gemms_weights_go_to_blocks():
 
 def test_a_weight_cublas_reads_anywhere_stays_row_major():
     """One copy of a weight serves every captured size: a layer that runs cuBLAS at one size
-    (qkv, down and lm_head at 192 rows, graphc/ops/linear.py's crossovers; or a node pinned to
+    (qkv and lm_head at 192 rows, graphc/ops/linear.py's DECODE_GEMM_ROWS; or a node pinned to
     it) keeps its weight row-major at the small sizes too. So does a decode-GEMM kernel that reads
     rows faster (qkv's whole-K tiles at 128 rows, kernels/gemm.py ``reads_blocks``)."""
     s, graph = schedules(KIMI_8L, [1, 8, 192])
     assert s[192].implementations()["L00.attn.qkv"] == "cublas"
     assert s[192].implementations()["L00.mlp.gate_up"] == s[192].implementations()["L00.attn.o_proj"] == "cute"
-    assert blocked_weights(s, SMS) == linear_weights(graph, "gate_up", "o_proj")
+    assert blocked_weights(s, SMS) == linear_weights(graph, "gate_up", "o_proj", "down")
     kept = row_major_for_some_sizes(s, SMS)         # what the build tells the user
-    assert set(kept) == linear_weights(graph, "qkv", "down", "lm_head")
+    assert set(kept) == linear_weights(graph, "qkv", "lm_head")
     batch, kernel = kept["L00.attn.qkv.weight"]
     assert (batch, kernel.node, kernel.impl) == (192, "L00.attn.qkv", "cublas")
     s, graph = schedules(KIMI_8L, [1, 8, 128])
@@ -197,8 +197,8 @@ def test_a_gpu_build_says_which_weights_a_large_size_keeps_row_major(monkeypatch
     heard = []
     s, graph = schedules(KIMI_8L, [1, 8, 192])
     assert runtime._weights_in_blocks(s, cuda, None, True, heard.append) == linear_weights(graph, "gate_up",
-                                                                                            "o_proj")
-    assert len(heard) == 1 and heard[0].startswith("17 weights stay row-major at every batch size")
+                                                                                            "o_proj", "down")
+    assert len(heard) == 1 and heard[0].startswith("9 weights stay row-major at every batch size")
     assert "runs cublas at batch 192" in heard[0]
     s, graph = schedules(KIMI_8L, [1, 8])
     heard.clear()

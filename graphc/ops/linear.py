@@ -13,7 +13,8 @@ only through a full edge. The CuTe DSL decode GEMM streams its weights before th
 Which one a captured batch size gets by default was measured (bench/gemm.py and
 bench/step_ab.py on H200s, and on H100s for down, o_proj, qkv and lm_head; bench/gemm_notes.md): the decode GEMM up to
 ``DECODE_GEMM_MAX_BATCH`` rows on every linear shape, and on the Kimi shapes up to the rows
-listed in ``DECODE_GEMM_CROSSOVER`` (64; down and lm_head 96, qkv 160, o_proj 224, gate_up 256); cuBLAS above. Where the decode GEMM is the only reader of
+listed in ``DECODE_GEMM_ROWS`` (up to 64; down up to 96 and at 192 and 224, lm_head up to 96, qkv
+up to 160, o_proj up to 224, gate_up up to 256); cuBLAS elsewhere. Where the decode GEMM is the only reader of
 a weight at every captured batch size, the build stores that weight in 64 x 64 blocks
 (graphc/plan.py), which it streams 2-7% faster.
 """
@@ -105,8 +106,9 @@ def _decode_gemm_available() -> bool:
 
 
 DECODE_GEMM_MAX_BATCH = 16
-# (K, N, epilogue) -> the largest batch size at which the decode GEMM is the default, from
-# measurements in the step (bench/step_notes.md, bench/gemm_notes.md). Until session 26 qkv and
+# (K, N, epilogue) -> the captured batch sizes at which the decode GEMM is the default, as
+# inclusive (first, last) spans, from measurements in the step (bench/step_notes.md,
+# bench/gemm_notes.md); other shapes: up to DECODE_GEMM_MAX_BATCH. Until session 26 qkv and
 # o_proj kept cuBLAS at 64 rows and lm_head above 16: there the decode GEMM on row-major
 # weights tied or lost in the step (qkv / o_proj at 64 rows: 3210-3216 against 3215-3222 us,
 # session 9; lm_head a tie with cuBLAS at 32-64 rows alone). Since it reads the weights that
@@ -146,13 +148,29 @@ DECODE_GEMM_MAX_BATCH = 16
 # there, the issue's target board: so qkv runs it up to 160 rows. lm_head the same way (two
 # leases of the same kind of H100, bench/results/step_lm_head_on_decode_gemm_ab_8l_*_session50*):
 # 1.1% faster at 80 rows, 0.6 / 0.4% at 96, tied at 112-192 (alone 1.00x cuBLAS at 96-160): up to 96.
-DECODE_GEMM_CROSSOVER = {
-    (7168, 36864, "silu_mul"): 256,
-    (18432, 7168, None): 96,        # down
-    (7168, 10240, None): 160,       # qkv
-    (8192, 7168, None): 224,        # o_proj
-    (7168, 163840, None): 96,       # lm_head
+# down again at 160-256 rows (session 50, a third H100, bench/results/step_down_on_decode_gemm_ab_8l_
+# 160_256_*_session50.txt): -2.7% at 192 and -2.0% at 224 (session 38's boards: -3.9 / -3.2% and
+# -0.7 / -0.7%), but +0.3 to +1.5% at 160, 184, 200, 208 and 216: cuBLAS's own choice is poor
+# at 192 and 224 rows on H100s. Alone on H200s the decode GEMM's down is 0.93-0.96x cuBLAS at 160,
+# 192 and 224 rows (bench/gemm_notes.md §51), so it runs it at 192 and 224 rows too.
+DECODE_GEMM_ROWS = {
+    (7168, 36864, "silu_mul"): ((1, 256),),            # gate_up
+    (18432, 7168, None): ((1, 96), (192, 192), (224, 224)),   # down
+    (7168, 10240, None): ((1, 160),),                   # qkv
+    (8192, 7168, None): ((1, 224),),                    # o_proj
+    (7168, 163840, None): ((1, 96),),                   # lm_head
 }
+
+
+def decode_gemm_rows(k: int, n: int, epilogue: str | None) -> tuple[tuple[int, int], ...]:
+    """The (first, last) spans of captured batch sizes at which the decode GEMM is the default
+    for this linear shape."""
+    return DECODE_GEMM_ROWS.get((k, n, epilogue), ((1, DECODE_GEMM_MAX_BATCH),))
+
+
+def decode_gemm_default(k: int, n: int, epilogue: str | None, batch: int) -> bool:
+    """Whether the decode GEMM is this linear shape's default at this captured batch size."""
+    return any(first <= batch <= last for first, last in decode_gemm_rows(k, n, epilogue))
 
 
 @dataclass(eq=False)
@@ -174,14 +192,14 @@ class LinearOp(Op):
     def weight_shapes(self):
         return {"weight": (self.weight_name or f"{self.name}.weight", (self.n, self.k))}
 
-    def decode_gemm_max_batch(self) -> int:
-        """Up to which captured batch size the decode GEMM is this op's default."""
-        return DECODE_GEMM_CROSSOVER.get((self.k, self.n, self.epilogue), DECODE_GEMM_MAX_BATCH)
+    def decode_gemm_default(self, batch: int) -> bool:
+        """Whether the decode GEMM is this op's default at this captured batch size."""
+        return decode_gemm_default(self.k, self.n, self.epilogue, batch)
 
     def preference(self, batch: int | None = None) -> list[str]:
         """The decode GEMM at batch sizes where it was measured faster (where CuTe DSL is
         installed), cuBLAS otherwise and when no batch size is known."""
-        if batch is not None and batch <= self.decode_gemm_max_batch():
+        if batch is not None and self.decode_gemm_default(batch):
             return ["cute", "cublas"]
         return ["cublas"]
 
