@@ -13,8 +13,8 @@ only through a full edge. The CuTe DSL decode GEMM streams its weights before th
 Which one a captured batch size gets by default was measured (bench/gemm.py and
 bench/step_ab.py on H200s, and on H100s for down, o_proj, qkv and lm_head; bench/gemm_notes.md): the decode GEMM up to
 ``DECODE_GEMM_MAX_BATCH`` rows on every linear shape, and on the Kimi shapes up to the rows
-listed in ``DECODE_GEMM_ROWS`` (up to 64; down up to 96 and at 192 and 224, lm_head up to 96, qkv
-up to 160, o_proj up to 224, gate_up up to 256); cuBLAS elsewhere. Where the decode GEMM is the only reader of
+listed in ``DECODE_GEMM_ROWS`` (up to 64; down up to 96 and at 192, lm_head up to 96, qkv up to
+160, o_proj up to 224, gate_up up to 256); cuBLAS elsewhere. Where the decode GEMM is the only reader of
 a weight at every captured batch size, the build stores that weight in 64 x 64 blocks
 (graphc/plan.py), which it streams 2-7% faster.
 """
@@ -152,10 +152,14 @@ DECODE_GEMM_MAX_BATCH = 16
 # 160_256_*_session50.txt): -2.7% at 192 and -2.0% at 224 (session 38's boards: -3.9 / -3.2% and
 # -0.7 / -0.7%), but +0.3 to +1.5% at 160, 184, 200, 208 and 216: cuBLAS's own choice is poor
 # at 192 and 224 rows on H100s. Alone on H200s the decode GEMM's down is 0.93-0.96x cuBLAS at 160,
-# 192 and 224 rows (bench/gemm_notes.md §51), so it runs it at 192 and 224 rows too.
+# 192 and 224 rows (bench/gemm_notes.md §51), so it runs it at 192 rows too. Not at 224: those A/Bs
+# ran it at every size of the build, so its weight was in blocks; a build that also captures a
+# size where down runs cuBLAS keeps it row-major (graphc/plan.py), which costs the decode GEMM a
+# few % per call, as much as 224's smaller gain (0.7% on two of the three boards). Not measured
+# that way (no device time was left).
 DECODE_GEMM_ROWS = {
     (7168, 36864, "silu_mul"): ((1, 256),),            # gate_up
-    (18432, 7168, None): ((1, 96), (192, 192), (224, 224)),   # down
+    (18432, 7168, None): ((1, 96), (192, 192)),       # down
     (7168, 10240, None): ((1, 160),),                   # qkv
     (8192, 7168, None): ((1, 224),),                    # o_proj
     (7168, 163840, None): ((1, 96),),                   # lm_head
