@@ -387,6 +387,12 @@ def _inspect_sms() -> tuple[int, str]:
     return HOPPER_SMS, f"on {HOPPER_SMS} SMs, an H100 / H200 SXM: no GPU here"
 
 
+def _spans_text(spans: dict[str, list[tuple[int, int]]]) -> str:
+    """``{"cute": [(1, 96), (192, 192)], ...}`` -> ``"cute 1-96, 192; ..."``."""
+    return "; ".join(f"{name} " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+                     for name, runs in spans.items())
+
+
 def cmd_inspect(args) -> int:
     from .graph import describe_node, format_dims, weight_bytes
 
@@ -397,6 +403,7 @@ def cmd_inspect(args) -> int:
         _say(describe_node(graph, args.node))
         k = schedule.kernel(args.node)
         _say(f"  kernel #{k.index}: {k.impl}, {k.edge} edge: {k.reason}")
+        _say(f"  by default at batch sizes: {_spans_text(k.op.defaults_by_batch(MAX_BATCH))} (with what is installed here)")
         impl = k.op.implementations[k.impl]
         if impl.describe is not None and impl.available():
             sms, where = _inspect_sms()

@@ -9,6 +9,7 @@ import pytest
 from graphc.cli import main
 
 TINY = "layer_specs/tiny.yaml"
+KIMI_8L = "layer_specs/kimi_k3_dense_8l.yaml"
 
 
 def run_cli(*argv, unset: tuple[str, ...] = ()):
@@ -388,6 +389,21 @@ def test_inspect_lists_kernels_and_one_node(capsys):
         main(["inspect", TINY, "--batch", "2", "L02.attn_res.attn", "L03.attn.qkv"])
     assert refused.value.code == 2
     assert "unrecognized arguments: L02.attn_res.attn L03.attn.qkv" in capsys.readouterr().err
+
+
+def test_inspect_says_which_implementation_each_batch_size_gets(capsys):
+    """The node's default per captured batch size, as spans: down on the decode GEMM up to 96 rows
+    and at 192 (graphc/ops/linear.py DECODE_GEMM_ROWS) where CuTe DSL is installed, else cuBLAS."""
+    from graphc.ops.linear import LinearOp
+
+    assert main(["inspect", KIMI_8L, "L00.mlp.down"]) == 0
+    out = capsys.readouterr().out
+    if LinearOp.implementations["cute"].available():
+        assert "by default at batch sizes: cute 1-96, 192; cublas 97-191, 193-512 (with what is installed here)" in out
+    else:
+        assert "by default at batch sizes: cublas 1-512 (with what is installed here)" in out
+    assert main(["inspect", TINY, "L00.attn_res.attn"]) == 0
+    assert "by default at batch sizes: " in capsys.readouterr().out
 
 
 def test_output_paths_are_checked_before_any_work(tmp_path, capsys):

@@ -189,6 +189,21 @@ class Op:
         Ops whose best implementation depends on the batch override it."""
         return list(self.implementations)
 
+    def defaults_by_batch(self, max_batch: int) -> dict[str, list[tuple[int, int]]]:
+        """Implementation -> the (first, last) spans of captured batch sizes 1..``max_batch``
+        that get it by default here (``default_implementation``), in order of first use."""
+        spans: dict[str, list[tuple[int, int]]] = {}
+        previous = None
+        for batch in range(1, max_batch + 1):
+            name = self.default_implementation(batch)
+            if name == previous:
+                first, _ = spans[name][-1]
+                spans[name][-1] = (first, batch)
+            else:
+                spans.setdefault(name, []).append((batch, batch))
+            previous = name
+        return spans
+
     def default_implementation(self, batch: int | None = None) -> str:
         """The implementation a captured ``batch`` size gets: the first of ``preference(batch)``
         that is installed here and runs this shape."""
