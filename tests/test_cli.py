@@ -691,7 +691,7 @@ def test_inspect_names_the_decode_gemm_configuration_a_node_runs(capsys, monkeyp
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    spec = "layer_specs/kimi_k3_dense_8l.yaml"
+    spec = KIMI_8L
     assert main(["inspect", spec, "L01.attn.o_proj", "--batch", "128"]) == 0
     runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  runs ")]
     assert runs == [f"  runs {gemm_plan(128, 8192, 7168)} (on 132 SMs, an H100 / H200 SXM: no GPU here)"]
