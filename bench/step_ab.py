@@ -5,6 +5,7 @@
     python3 bench/step_ab.py SPEC --variant pf8_qkv:l2_prefetch=8@attn.qkv   # one role only
     python3 bench/step_ab.py SPEC --batch-sizes 1 --variant c256:attention.chunk=256
     python3 bench/step_ab.py SPEC --batch-sizes 1,2 --variant cl:impl.decode_attention=cluster
+    python3 bench/step_ab.py SPEC --batch-sizes 160,192,224 --variant d224:rows.mlp.down=1-96+192+224
 
 A micro-benchmark runs one kernel after itself; the step is what ships. So a knob of
 kernels/gemm.py (``plan``'s knobs) is decided here: every variant passes its knobs to the
@@ -19,9 +20,14 @@ for the op kind KIND (``graphc.build``'s ``implementations``; a KIND with a dot 
 ``impl.mlp.gate_up=cute``: every node of it); ``build.block_weights=0`` builds it with
 every weight row-major (``graphc.build``'s ``block_weights``; the decode GEMM reads the weights it alone
 reads in 64 x 64 blocks by default), ``build.block_rows=16`` with those blocks of 16 rows
-(``graphc.build``'s ``block_rows``). Variants with only knobs share the shipped step's weights; one
-with ``impl.`` or ``build.`` settings, which may store them in another order, gets its own copy (the
-same values: the same seed). Each variant is captured once; every round replays each variant in turn (``graphc.bench.interleaved_rounds``: the
+(``graphc.build``'s ``block_rows``). ``rows.ROLE=SPANS`` builds the variant with another entry of
+the table that says at which captured batch sizes the decode GEMM is a linear's default
+(graphc/ops/linear.py ``DECODE_GEMM_ROWS``, which is per (K, N, epilogue): every role of that
+shape follows it), e.g. ``rows.mlp.down=1-96+192+224``: unlike ``impl.``, which holds at every
+size of the build, this is the build a changed table would ship, weight order included.
+Variants with only knobs share the shipped step's weights; one with ``impl.``, ``rows.`` or
+``build.`` settings, which may store them in another order, gets its own copy (the same values:
+the same seed). Each variant is captured once; every round replays each variant in turn (``graphc.bench.interleaved_rounds``: the
 median of 100 replays per variant and round), so a board that slows down or caps its power hits every variant alike.
 
 Prints per batch size each variant's median step time of every round, its best round against
@@ -35,6 +41,7 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -46,11 +53,36 @@ CLUSTER = "cluster."
 CLUSTER_KNOBS = ("trigger_at",)     # kernels/decode_attention_cluster.py
 BUILD = "build."
 BUILD_OPTIONS = ("block_weights", "block_rows")  # graphc.build's keyword arguments a variant may set
+ROWS = "rows."
 
 
-def parse_variant(text: str) -> tuple[str, dict, set | None, dict, dict]:
-    """``name:knob=v,knob=v[@role,role]`` -> (name, knobs, roles or None for every GEMM role,
-    implementations by op kind, build options)."""
+class Variant(NamedTuple):
+    name: str
+    knobs: dict                     # decode-GEMM, attention. and cluster. knobs
+    roles: set | None               # the GEMM roles the knobs reach (None: all)
+    implementations: dict           # impl.: op kind, role or node -> implementation
+    options: dict                   # build.: graphc.build keyword arguments
+    rows: dict                      # rows.: role -> the decode GEMM's default spans of batch sizes
+
+
+def parse_rows(text: str) -> tuple[tuple[int, int], ...]:
+    """``1-96+192`` -> ((1, 96), (192, 192)): ordered, apart, within the decode GEMM's rows."""
+    from graphc.kernels.gemm_contract import MAX_M
+
+    spans = []
+    for item in text.split("+"):
+        first, _, last = item.partition("-")
+        if not first.isdigit() or not (last or first).isdigit():
+            raise ValueError(f"{item!r} is not N or N-M")
+        spans.append((int(first), int(last or first)))
+    for i, (first, last) in enumerate(spans):
+        if not 1 <= first <= last <= MAX_M or (i and first <= spans[i - 1][1] + 1):
+            raise ValueError(f"spans must be in order, apart and within 1-{MAX_M}")
+    return tuple(spans)
+
+
+def parse_variant(text: str) -> Variant:
+    """``name:knob=v,knob=v[@role,role]`` -> its Variant."""
     from graphc.kernels.gemm import LINEAR_KNOBS
 
     # (w_blocked and w_block_rows follow from how the build stores the weights: build.block_weights.)
@@ -62,22 +94,28 @@ def parse_variant(text: str) -> tuple[str, dict, set | None, dict, dict]:
         raise SystemExit(f"--variant {text!r}: expected NAME:KNOB=V[,KNOB=V][@ROLE,ROLE] "
                          f"(NAME not {SHIPPED!r})")
     knob_text, _, role_text = rest.partition("@")
-    knobs, implementations, options = {}, {}, {}
+    knobs, implementations, options, rows = {}, {}, {}, {}
     for item in filter(None, knob_text.split(",")):
         knob, eq, value = item.partition("=")
         if eq and knob.startswith(IMPL) and value:
             implementations[knob[len(IMPL):]] = value
             continue
+        if eq and knob.startswith(ROWS) and len(knob) > len(ROWS):
+            try:
+                rows[knob[len(ROWS):]] = parse_rows(value)
+            except ValueError as e:
+                raise SystemExit(f"--variant {text!r}: {item!r}: {e}") from None
+            continue
         if not eq or knob not in known or not value.isdigit():
             raise SystemExit(f"--variant {text!r}: {item!r} is not KNOB=V with KNOB one of {', '.join(known)} "
-                             f"and V an integer (or {IMPL}KIND=NAME)")
+                             f"and V an integer (or {IMPL}KIND=NAME, {ROWS}ROLE=SPANS)")
         if knob.startswith(BUILD):
             option = knob[len(BUILD):]
             options[option] = bool(int(value)) if option == "block_weights" else int(value)
         else:
             knobs[knob] = int(value)
     roles = set(filter(None, role_text.split(","))) or None
-    return name, knobs, roles, implementations, options
+    return Variant(name, knobs, roles, implementations, options, rows)
 
 
 def by_node(implementations: dict, graph) -> dict:
@@ -96,6 +134,28 @@ def by_node(implementations: dict, graph) -> dict:
             raise SystemExit(f"impl.{key}: no node of role {key!r} in this spec")
         out.update(dict.fromkeys(nodes, impl))
     return out
+
+
+@contextlib.contextmanager
+def decode_gemm_rows(rows: dict, graph):
+    """While open, graphc/ops/linear.py's ``DECODE_GEMM_ROWS`` has these spans for the linear
+    shapes of these roles (role -> spans), so a build made meanwhile schedules by them."""
+    import graphc.ops.linear as linear
+    from step_breakdown import role
+
+    shipped = dict(linear.DECODE_GEMM_ROWS)
+    try:
+        for key, spans in rows.items():
+            shapes = {(op.k, op.n, op.epilogue) for node, op in graph.nodes(data="op")
+                      if role(node) == key and isinstance(op, linear.LinearOp)}
+            if not shapes:
+                raise SystemExit(f"rows.{key}: no linear of role {key!r} in this spec")
+            for shape in shapes:
+                linear.DECODE_GEMM_ROWS[shape] = spans
+        yield
+    finally:
+        linear.DECODE_GEMM_ROWS.clear()
+        linear.DECODE_GEMM_ROWS.update(shipped)
 
 
 @contextlib.contextmanager
@@ -165,9 +225,9 @@ def main(argv=None) -> int:
     weights = Weights.random(shapes, seed=0, device="cuda")
     role_of_weight = {t.data_ptr(): role(name.rsplit(".", 1)[0]) for name, t in weights.tensors.items()}
     steps = {SHIPPED: build(spec, batch_sizes, weights=weights, progress=None)}
-    for name, knobs, roles, implementations, options in variants:
-        own = Weights.random(shapes, seed=0, device="cuda") if implementations or options else weights
-        with step_knobs(knobs, roles, role_of_weight):
+    for name, knobs, roles, implementations, options, rows in variants:
+        own = Weights.random(shapes, seed=0, device="cuda") if implementations or options or rows else weights
+        with step_knobs(knobs, roles, role_of_weight), decode_gemm_rows(rows, graph):
             steps[name] = build(spec, batch_sizes, weights=own, progress=None,
                                 implementations=by_node(implementations, graph) or None, **options)
 

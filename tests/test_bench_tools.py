@@ -226,14 +226,16 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     from graphc.kernels import gemm
 
     assert step_ab.parse_variant("pf8:l2_prefetch=8,stages=6@attn.qkv,lm_head") == (
-        "pf8", {"l2_prefetch": 8, "stages": 6}, {"attn.qkv", "lm_head"}, {}, {})
-    assert step_ab.parse_variant("pf16:l2_prefetch=16") == ("pf16", {"l2_prefetch": 16}, None, {}, {})
-    assert step_ab.parse_variant("c256:attention.chunk=256") == ("c256", {"attention.chunk": 256}, None, {}, {})
+        "pf8", {"l2_prefetch": 8, "stages": 6}, {"attn.qkv", "lm_head"}, {}, {}, {})
+    assert step_ab.parse_variant("pf16:l2_prefetch=16") == ("pf16", {"l2_prefetch": 16}, None, {}, {}, {})
+    assert step_ab.parse_variant("c256:attention.chunk=256") == ("c256", {"attention.chunk": 256}, None, {}, {}, {})
     assert step_ab.parse_variant("cl:impl.decode_attention=cluster,cluster.trigger_at=2") == (
-        "cl", {"cluster.trigger_at": 2}, None, {"decode_attention": "cluster"}, {})
+        "cl", {"cluster.trigger_at": 2}, None, {"decode_attention": "cluster"}, {}, {})
     assert step_ab.parse_variant("rows:build.block_weights=0,impl.linear=cute") == (
-        "rows", {}, None, {"linear": "cute"}, {"block_weights": False})
-    assert step_ab.parse_variant("b16:build.block_rows=16")[4] == {"block_rows": 16}
+        "rows", {}, None, {"linear": "cute"}, {"block_weights": False}, {})
+    assert step_ab.parse_variant("b16:build.block_rows=16").options == {"block_rows": 16}
+    assert step_ab.parse_variant("d:rows.mlp.down=1-96+192+224,rows.lm_head=1-8").rows == {
+        "mlp.down": ((1, 96), (192, 192), (224, 224)), "lm_head": ((1, 8),)}
     # impl.ROLE=NAME: every node of the role (a name with a dot), an op kind as it is.
     gu = step_ab.parse_variant("gu:impl.mlp.gate_up=cute,impl.decode_attention=cluster")
     assert gu[3] == {"mlp.gate_up": "cute", "decode_attention": "cluster"}
@@ -242,11 +244,28 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     assert step_ab.by_node(gu[3], graph) == {"decode_attention": "cluster",
                                              **{f"L{i:02d}.mlp.gate_up": "cute" for i in range(8)}}
     assert step_ab.by_node({"L03.mlp.down": "cute"}, graph) == {"L03.mlp.down": "cute"}
+    # rows.ROLE=SPANS: the table a build schedules by, for the role's shape, while the variant builds.
+    from graphc.ops import linear as linear_op
+    from graphc.schedule import build_schedule
+
+    shipped_rows = dict(linear_op.DECODE_GEMM_ROWS)
+    with step_ab.decode_gemm_rows({"mlp.down": ((1, 8), (200, 200))}, graph):
+        assert linear_op.decode_gemm_rows(18432, 7168, None) == ((1, 8), (200, 200))
+        if linear_op.LinearOp.implementations["cute"].available():
+            impls = [build_schedule(graph, batch=b).kernel("L05.mlp.down").impl for b in (8, 9, 200)]
+            assert impls == ["cute", "cublas", "cute"]
+    assert linear_op.DECODE_GEMM_ROWS == shipped_rows
+    with pytest.raises(SystemExit, match="no linear of role 'mlp.gate'"):
+        with step_ab.decode_gemm_rows({"mlp.gate": ((1, 8),)}, graph):
+            pass
+    assert linear_op.DECODE_GEMM_ROWS == shipped_rows
     with pytest.raises(SystemExit, match="no node of role 'mlp.gate'"):
         step_ab.by_node({"mlp.gate": "cute"}, graph)
     for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9", "x:attention.heads=2",
                 "x:cluster.chunk=2", "x:impl.decode_attention=", "x:w_blocked=1", "x:build.seed=1",
-                "x:build.block_weights=no"):
+                "x:build.block_weights=no", "x:rows.mlp.down=", "x:rows.mlp.down=96-1", "x:rows.mlp.down=1-96+90",
+                "x:rows.mlp.down=1-96+97", "x:rows.mlp.down=0-8", "x:rows.mlp.down=1-257", "x:rows.=1-8",
+                "x:rows.mlp.down=a"):
         with pytest.raises(SystemExit, match="--variant"):
             step_ab.parse_variant(bad)
 
