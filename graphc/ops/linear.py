@@ -107,59 +107,31 @@ def _decode_gemm_available() -> bool:
 
 DECODE_GEMM_MAX_BATCH = 16
 # (K, N, epilogue) -> the captured batch sizes at which the decode GEMM is the default, as
-# inclusive (first, last) spans, from measurements in the step (bench/step_notes.md,
-# bench/gemm_notes.md); other shapes: up to DECODE_GEMM_MAX_BATCH. Until session 26 qkv and
-# o_proj kept cuBLAS at 64 rows and lm_head above 16: there the decode GEMM on row-major
-# weights tied or lost in the step (qkv / o_proj at 64 rows: 3210-3216 against 3215-3222 us,
-# session 9; lm_head a tie with cuBLAS at 32-64 rows alone). Since it reads the weights that
-# only it reads in 64 x 64 blocks (kernels/weight_blocks.py), it is 2-7% faster alone and the
-# 8-layer step with every Kimi linear on it up to 64 rows (all their weights in blocks) was
-# faster at every size measured than with these three on cuBLAS at 32-64 rows, whose weights
-# then stay row-major at every size (one A/B in one process, bench/step_ab.py, 3 rounds;
-# bench/results/step_weights_in_blocks_ab_8l_*_session26.txt): 2497-2506 against 2522-2526 us
-# at 1 row, 2556-2563 / 2577-2586 at 8, 2815-2826 / 2833-2845 at 32, 3270-3272 / 3293-3298 at
-# 64. At 128 rows down / qkv / o_proj on the decode GEMM (its whole-K tiles there, on row-major
-# weights) measured bimodal in the step, 4100-4332 against 4131-4164 us (bench/gemm_notes.md
-# §21; again in session 13), so the crossovers stay at 64. Both decode GEMMs read blocks since
-# session 27 (§34, where the blocks leave its kernel as it is). In the step (session 27, one A/B
-# in one process, bench/results/step_decode_gemm_mid_rows_ab_8l_*_session27.txt) every linear on
-# the decode GEMM measured 3994-4085 against cuBLAS's 4040-4090 us at 128 rows (bimodal) and
-# 6630-6645 against 6485-6525 at 256: the crossovers stay at 64 for down, qkv, o_proj and lm_head.
-# gate_up alone on the decode GEMM (its stream-K kernel with silu·mul fused, against cuBLAS plus
-# the Triton silu·mul) was measured per role in session 36 (bench/step_ab.py ... --variant
-# gu_cute:impl.mlp.gate_up=cute, 3 rounds, two boards, bench/results/step_gate_up_on_decode_gemm_ab_8l_*_session36_*):
-# the 8-layer step 2.5-4.9% faster at 96 rows, 3.0-4.0% at 160, 2.9% at 192, tied at 128 and
-# 256: so gate_up runs it up to 256 rows, the most it takes.
-# o_proj and down per role (session 38, the same command with impl.attn.o_proj=cute or
-# impl.mlp.down=cute, two H100 boards, bench/results/step_ab_{op,down}_cute_96_224_*_session38*):
-# o_proj on the decode GEMM (one whole-K 64-row unit per CTA, on blocks) -0.8 / -1.0% at 96 rows,
-# +0.4 / +0.1% at 128, tied at 160, -3.6 / -2.8% at 192, -1.0 / -0.6% at 224, with bitwise the
-# same logits; alone it is 0.95-0.97x cuBLAS at 128 rows and 0.80-0.83x at 192 on an H200 and an
-# H100 (bench/gemm_notes.md §37-§40), so it runs it up to 224 (at 256 the whole-K tiles, on rows,
-# lose to cuBLAS). down -2.0% at 96 rows on both boards but +0.5-0.8% at 160 (and at 128 its
-# whole-K tiles read rows, which would keep its weight row-major at every size): up to 96.
-# Not yet A/B-measured in the step on an H200.
-# qkv per role (session 50, one H100, `bench/step_ab.py layer_specs/kimi_k3_dense_8l.yaml
-# --batch-sizes 96,128,160,192 --rounds 3 --variant qkv_cute:impl.attn.qkv=cute`, twice at 96 and
-# 192, bench/results/step_qkv_on_decode_gemm_ab_8l_96_192_*_session50*): the 8-layer step 1.0 /
-# 1.2% faster at 96 rows, 0.5% at 128, 0.4% at 160, 0.3 / 0.7% at 192, every round. Alone the
-# decode GEMM is 0.95-0.98x cuBLAS at 96-192 rows on that H100 (since the shared fix-up of
-# bench/gemm_notes.md §50), 0.96x at 128 and 160 rows on an H200 (§21, §48) but 1.08x at 192
-# there, the issue's target board: so qkv runs it up to 160 rows. lm_head the same way (two
-# leases of the same kind of H100, bench/results/step_lm_head_on_decode_gemm_ab_8l_*_session50*):
-# 1.1% faster at 80 rows, 0.6 / 0.4% at 96, tied at 112-192 (alone 1.00x cuBLAS at 96-160): up to 96.
-# down again at 160-256 rows (session 50, a third H100, bench/results/step_down_on_decode_gemm_ab_8l_
-# 160_256_*_session50.txt): -2.7% at 192 and -2.0% at 224 (session 38's boards: -3.9 / -3.2% and
-# -0.7 / -0.7%), but +0.3 to +1.5% at 160, 184, 200, 208 and 216: cuBLAS's own choice is poor
-# at 192 and 224 rows on H100s. Alone on H200s the decode GEMM's down is 0.93-0.96x cuBLAS at 160,
-# 192 and 224 rows (bench/gemm_notes.md §51), so it runs it at 192 rows too. Not at 224: those A/Bs
-# ran it at every size of the build, so its weight was in blocks; a build that also captures a
-# size where down runs cuBLAS keeps it row-major (graphc/plan.py), which costs the decode GEMM a
-# few % per call, as much as 224's smaller gain (0.7% on two of the three boards). Not measured
-# that way (no device time was left).
+# inclusive (first, last) spans; other shapes: up to DECODE_GEMM_MAX_BATCH. Every entry was set
+# by A/B runs of the whole 8-layer step (bench/step_ab.py, 3 interleaved rounds in one process;
+# a kernel timed alone misses the step's PDL overlap, cache state and weight order), recorded
+# in bench/step_notes.md and bench/gemm_notes.md:
+# - every Kimi linear up to 64 rows: with the weights it alone reads in 64 x 64 blocks the
+#   step was faster at 1-64 rows than with qkv, o_proj and lm_head on cuBLAS (session 26:
+#   3270-3272 against 3293-3298 us at 64 rows); with every linear on it, bimodal at 128 rows
+#   and slower at 256 (session 27).
+# - gate_up up to 256 (its silu·mul fused, against cuBLAS plus the Triton silu·mul): 2.5-4.9%
+#   faster at 96, 160 and 192 rows, tied at 128 and 256 (session 36, two H200s).
+# - o_proj up to 224: -0.6 to -3.6% at 96, 192 and 224 rows, tied at 128-160 (session 38, two
+#   H100s); at 256 its whole-K tiles, on rows, lose to cuBLAS.
+# - down up to 96 and at 192: -2.0% at 96 (session 38), -2.7 to -3.9% at 192 on three H100s,
+#   where cuBLAS's own choice is poor, but 0.3-1.5% slower at 160, 184, 200, 208 and 216
+#   (session 50). 224 (-0.7 / -0.7 / -2.0%) is left out: those A/Bs had down's weight in blocks,
+#   and a build that also captures a size where down runs cuBLAS keeps it row-major
+#   (graphc/plan.py), which may cost as much; `bench/step_ab.py ... --variant
+#   d224:rows.mlp.down=1-96+192+224` is the check (bench/gemm_notes.md §51).
+# - qkv up to 160: -0.4 to -1.2% at 96-160 rows (session 50, two H100 leases). At 192 -0.3 to
+#   -0.7% there too, but alone it is 1.08x cuBLAS at 192 rows on an H200, the target board.
+# - lm_head up to 96: -1.1% at 80 rows, -0.4 / -0.6% at 96, tied at 112-192 (session 50).
+# Spans rather than one crossover per shape because of down's 192 rows.
 DECODE_GEMM_ROWS = {
     (7168, 36864, "silu_mul"): ((1, 256),),            # gate_up
-    (18432, 7168, None): ((1, 96), (192, 192)),       # down
+    (18432, 7168, None): ((1, 96), (192, 192)),        # down
     (7168, 10240, None): ((1, 160),),                   # qkv
     (8192, 7168, None): ((1, 224),),                    # o_proj
     (7168, 163840, None): ((1, 96),),                   # lm_head
