@@ -19,6 +19,8 @@ The list is the union of tests/test_gemm_gpu.py's cases, bench/gemm.py's rows an
 the linear shapes of the shipped specs at the batch sizes the step tests and `graphc bench`
 capture, all for an H200's 132 SMs. A variant missing from the list is simply compiled on the
 GPU machine as before; a stale object is never loaded (the cache key hashes the kernel source).
+The step A/Bs of bench/step_ab.py (other batch sizes, other implementations or knobs) compile
+their own list with its ``--precompile``.
 """
 
 from __future__ import annotations

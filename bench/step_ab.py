@@ -6,6 +6,8 @@
     python3 bench/step_ab.py SPEC --batch-sizes 1 --variant c256:attention.chunk=256
     python3 bench/step_ab.py SPEC --batch-sizes 1,2 --variant cl:impl.decode_attention=cluster
     python3 bench/step_ab.py SPEC --batch-sizes 160,192,224 --variant d224:rows.mlp.down=1-96+192+224
+    # without a GPU, before a GPU session: the same arguments, their CuTe DSL kernels into the cache
+    CUTE_DSL_ARCH=sm_90a GRAPHC_CACHE_DIR=.kcache python3 bench/step_ab.py SPEC ... --precompile
 
 A micro-benchmark runs one kernel after itself; the step is what ships. So a knob of
 kernels/gemm.py (``plan``'s knobs) is decided here: every variant passes its knobs to the
@@ -29,6 +31,12 @@ Variants with only knobs share the shipped step's weights; one with ``impl.``, `
 ``build.`` settings, which may store them in another order, gets its own copy (the same values:
 the same seed). Each variant is captured once; every round replays each variant in turn (``graphc.bench.interleaved_rounds``: the
 median of 100 replays per variant and round), so a board that slows down or caps its power hits every variant alike.
+
+``--precompile`` runs no step: it compiles the CuTe DSL kernels that the shipped step's and the
+variants' builds load (``kernel_variants``) into the disk compile cache, on a machine without a
+GPU, so that the GPU machine, given that cache (``GRAPHC_CACHE_DIR``, carried along), only
+loads them (bench/precompile.py says how to match the GPU machine's DSL build). ``--sms`` is
+the GPU's SM count (default 132).
 
 Prints per batch size each variant's median step time of every round, its best round against
 the HBM floor, and the largest difference of its logits from the shipped step's (0.0 where
@@ -196,7 +204,60 @@ def step_knobs(knobs: dict, roles: set | None, role_of_weight: dict):
             setattr(module, name, shipped)
 
 
+def kernel_variants(graph, batch_sizes, variants, sms: int) -> list:
+    """(kernel module, compile-cache key) of every CuTe DSL kernel that the builds of the shipped
+    step and of ``variants`` at ``batch_sizes`` load on ``sms`` SMs: their schedules' kernels
+    (graphc/compile_ahead.py, with each variant's ``impl.``, ``rows.`` and ``build.`` settings),
+    and the decode GEMMs as a variant's knobs change them for its roles. (The attention's knobs
+    are left out: the Triton attention is not cached here, the cluster attention's trigger is
+    compiled on first use.)"""
+    from graphc.compile_ahead import schedule_variants
+    from graphc.kernels import gemm, weight_blocks
+    from graphc.plan import blocked_weights
+    from graphc.schedule import build_schedule
+    from step_breakdown import role
+
+    found: dict = {}
+
+    def add(variant: Variant | None):
+        rows, impls, options = (variant.rows, variant.implementations, variant.options) if variant else ({}, {}, {})
+        block_rows = options.get("block_rows", weight_blocks.BLOCK)
+        with decode_gemm_rows(rows, graph):
+            schedules = {b: build_schedule(graph, by_node(impls, graph) or None, batch=b) for b in batch_sizes}
+            blocked = set() if options.get("block_weights") is False else blocked_weights(schedules, sms, block_rows)
+            found.update(dict.fromkeys(schedule_variants(schedules, sms, blocked, block_rows)))
+        knobs = {k: v for k, v in (variant.knobs if variant else {}).items() if not k.startswith((ATTENTION, CLUSTER))}
+        if not knobs:
+            return
+        for b, schedule in schedules.items():
+            for k in schedule.kernels:
+                if k.op.kind == "linear" and k.impl == "cute" and (variant.roles is None or role(k.node) in variant.roles):
+                    in_blocks = k.op.weight_shapes()["weight"][0] in blocked
+                    found[gemm.compiled_variant(b, k.op.k, k.op.n, k.op.epilogue, sms,
+                                                w_block_rows=block_rows if in_blocks else 0, **knobs)] = None
+
+    add(None)
+    for variant in variants:
+        add(variant)
+    return list(found)
+
+
+def precompile(graph, batch_sizes, variants, sms: int) -> int:
+    """``--precompile``: compile ``kernel_variants`` into the disk cache (no GPU needed)."""
+    from graphc.compile_ahead import compile_variants, default_jobs, not_on_disk
+
+    wanted = kernel_variants(graph, batch_sizes, variants, sms)
+    todo = not_on_disk(wanted)
+    print(f"{len(wanted)} CuTe DSL kernels for the shipped step and {len(variants)} variant(s) on {sms} SMs, "
+          f"{len(todo)} not yet in the cache")
+    compile_variants(todo, default_jobs(), print)
+    missing = not_on_disk(wanted)
+    print(f"{len(wanted) - len(missing)} of {len(wanted)} in the cache")
+    return 1 if missing else 0
+
+
 def main(argv=None) -> int:
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")   # a compile here, without a GPU, is for Hopper
     import torch
 
     from graphc.bench import _inputs, device_floor_bandwidth, interleaved_rounds
@@ -213,6 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", default=[], help="NAME:KNOB=V[,KNOB=V][@ROLE,ROLE]")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--precompile", action="store_true",
+                    help="compile the builds' CuTe DSL kernels into the disk cache and stop (no GPU needed)")
+    ap.add_argument("--sms", type=int, default=132, help="with --precompile: the GPU's SM count")
     args = ap.parse_args(argv)
     variants = [parse_variant(v) for v in args.variant]
     if not variants:
@@ -221,6 +285,8 @@ def main(argv=None) -> int:
 
     spec = load_spec(args.spec)
     graph = build_graph(spec)
+    if args.precompile:
+        return precompile(graph, batch_sizes, variants, args.sms)
     shapes = weight_shapes(graph)
     weights = Weights.random(shapes, seed=0, device="cuda")
     role_of_weight = {t.data_ptr(): role(name.rsplit(".", 1)[0]) for name, t in weights.tensors.items()}

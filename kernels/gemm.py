@@ -110,11 +110,12 @@ def weight_order_knobs(weight) -> tuple:
 
 
 def compiled_variant(m: int, k: int, n: int, epilogue: str | None = None, ctas: int = DEFAULT_SMS,
-                     w_block_rows: int = 0) -> tuple[str, tuple]:
-    """(kernel module, compile-cache key) of the kernel ``linear`` loads for this call with
-    default tuning on ``ctas`` SMs, the weight row-major (``w_block_rows`` 0) or in blocks of
-    that many rows, so that a build can compile it ahead (graphc/compile_ahead.py)."""
-    cfg = _config(m, k, n, epilogue, ctas, _order_knobs(w_block_rows))
+                     w_block_rows: int = 0, **tuning) -> tuple[str, tuple]:
+    """(kernel module, compile-cache key) of the kernel ``linear`` loads for this call on
+    ``ctas`` SMs, the weight row-major (``w_block_rows`` 0) or in blocks of that many rows, with
+    default tuning or ``tuning`` (``plan``'s knobs, as ``linear`` passes them), so that a build
+    or a benchmark can compile it ahead (graphc/compile_ahead.py)."""
+    cfg = _config(m, k, n, epilogue, ctas, tuple(sorted({**tuning, **dict(_order_knobs(w_block_rows))}.items())))
     module = (gemm_wide if isinstance(cfg, gemm_wide.WideGemmConfig) else gemm_stream_k).__name__
     return module, cfg.key()
 

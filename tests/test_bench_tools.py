@@ -219,6 +219,30 @@ def test_floor_bandwidth_is_fixed_for_the_h200_and_measured_elsewhere():
         floor_bandwidth("NVIDIA H100 80GB HBM3", None)
 
 
+def test_step_ab_precompile_lists_the_kernels_its_builds_load(monkeypatch):
+    """``--precompile``'s list: the shipped step's kernels, each variant's under its ``impl.`` /
+    ``rows.`` / ``build.`` settings (their weight order included), and the decode GEMMs its knobs
+    change for its roles, as ``linear`` would key them."""
+    pytest.importorskip("cutlass")
+    step_ab = _load("step_ab")
+    monkeypatch.syspath_prepend(str(BENCH))
+    from graphc.kernels import gemm, gemm_stream_k
+
+    graph = build_graph(load_spec(BENCH.parent / "layer_specs" / "kimi_k3_dense_8l.yaml"))
+    down, qkv = (18432, 7168, None), (7168, 10240, None)
+    shipped = set(step_ab.kernel_variants(graph, [160], [], 132))
+    assert gemm.compiled_variant(160, *qkv, 132, w_block_rows=64) in shipped       # qkv: its default at 160
+    assert not any(key[:4] == (160, *down) for m, key in shipped if m == gemm_stream_k.__name__)
+    variants = [step_ab.parse_variant(v) for v in ("d:rows.mlp.down=1-96+160", "s4:stages=4@attn.qkv",
+                                                   "rows:build.block_weights=0")]
+    listed = step_ab.kernel_variants(graph, [160], variants, 132)
+    assert len(listed) == len(set(listed)) and shipped <= set(listed)
+    assert gemm.compiled_variant(160, *down, 132, w_block_rows=64) in listed       # rows.: down on it, in blocks
+    assert gemm.compiled_variant(160, *qkv, 132, w_block_rows=64, stages=4) in listed    # knobs, its role only
+    assert gemm.compiled_variant(160, 8192, 7168, None, 132, w_block_rows=64, stages=4) not in listed
+    assert gemm.compiled_variant(160, *qkv, 132) in listed                           # build.block_weights=0: rows
+
+
 def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     step_ab = _load("step_ab")
     import torch
