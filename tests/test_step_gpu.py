@@ -387,6 +387,25 @@ def test_two_steps_on_cublas_run_on_two_streams_at_once(monkeypatch):
     replay_on_two_streams([first, second], 128, seed=12)
 
 
+def test_down_on_the_decode_gemm_at_192_rows_only_reads_its_weight_in_rows():
+    """graphc/ops/linear.py's DECODE_GEMM_ROWS: down runs the decode GEMM at 192 rows but cuBLAS
+    at 160, so a build of both keeps its weight row-major (graphc/plan.py) and the decode GEMM
+    reads rows at 192; that step gives the reference's logits."""
+    from graphc.kernels.weight_blocks import is_blocked
+
+    step = graphc.build("layer_specs/kimi_k3_dense_8l.yaml", batch_sizes=[160, 192], progress=None)
+    assert step.schedule_for(160).implementations()["L03.mlp.down"] == "cublas"
+    assert step.schedule_for(192).implementations()["L03.mlp.down"] == "cute"
+    assert not is_blocked(step.plan.weights.tensors["L03.mlp.down.weight"])
+    assert is_blocked(step.plan.weights.tensors["L03.attn.o_proj.weight"])      # the decode GEMM's at both
+    gen = torch.Generator().manual_seed(50)
+    tokens = torch.randint(0, step.spec.model.vocab, (192,), generator=gen).cuda()
+    lens = torch.zeros(192, dtype=torch.int32).cuda()
+    slots = torch.arange(192, dtype=torch.int32).cuda()
+    ref = reference_twin(step)
+    check_logits(step(tokens, lens, slots).clone(), reference_call(ref, tokens, lens, slots))
+
+
 def test_each_plan_captures_its_graphs_on_a_stream_of_its_own():
     """One stream per plan, outside torch's pool, held by each graph captured on it."""
     steps = [graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], progress=None) for _ in range(2)]

@@ -54,6 +54,9 @@ def test_a_weight_cublas_reads_anywhere_stays_row_major():
     assert set(kept) == linear_weights(graph, "qkv", "lm_head")
     batch, kernel = kept["L00.attn.qkv.weight"]
     assert (batch, kernel.node, kernel.impl) == (192, "L00.attn.qkv", "cublas")
+    s, graph = schedules(KIMI_8L, [160, 192])     # down: cuBLAS at 160, the decode GEMM at 192
+    assert blocked_weights(s, SMS) == linear_weights(graph, "gate_up", "o_proj")
+    assert row_major_for_some_sizes(s, SMS)["L00.mlp.down.weight"][0] == 160
     s, graph = schedules(KIMI_8L, [1, 8, 128])
     assert s[128].implementations()["L00.attn.qkv"] == "cute"
     assert blocked_weights(s, SMS) == linear_weights(graph, "gate_up", "o_proj")
