@@ -115,9 +115,14 @@ def compiled_variant(m: int, k: int, n: int, epilogue: str | None = None, ctas: 
     ``ctas`` SMs, the weight row-major (``w_block_rows`` 0) or in blocks of that many rows, with
     default tuning or ``tuning`` (``plan``'s knobs, as ``linear`` passes them), so that a build
     or a benchmark can compile it ahead (graphc/compile_ahead.py)."""
-    cfg = _config(m, k, n, epilogue, ctas, tuple(sorted({**tuning, **dict(_order_knobs(w_block_rows))}.items())))
+    cfg = _tuned_config(m, k, n, epilogue, ctas, tuning, _order_knobs(w_block_rows))
     module = (gemm_wide if isinstance(cfg, gemm_wide.WideGemmConfig) else gemm_stream_k).__name__
     return module, cfg.key()
+
+
+def _tuned_config(m: int, k: int, n: int, epilogue: str | None, ctas: int, tuning: dict, order: tuple):
+    """``plan`` with these knobs and the weight order's (``_order_knobs``), cached per call shape."""
+    return _config(m, k, n, epilogue, ctas, tuple(sorted({**tuning, **dict(order)}.items())))
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,7 +232,7 @@ def linear(x, weight, out, *, epilogue: str | None = None, stream=None, use_pdl:
             raise ValueError(f"linear: {knob} follows from the weight's shape (4-D: blocks); do not pass it")
     # Knobs of both kernels (plan weighs w_blocked in choosing between them).
     order = weight_order_knobs(weight)
-    cfg = _config(m, k, n, epilogue, ctas or _sm_count(device), tuple(sorted({**tuning, **dict(order)}.items())))
+    cfg = _tuned_config(m, k, n, epilogue, ctas or _sm_count(device), tuning, order)
     if stream is None:
         stream = torch.cuda.current_stream(device)
     if isinstance(cfg, gemm_wide.WideGemmConfig):
