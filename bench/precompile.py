@@ -40,6 +40,7 @@ H200_SMS = 132
 STEP_BATCH_SIZES = (1, 2, 3, 4, 5, 8, 16)  # step tests, `graphc bench`, `graphc build` at <= 16 rows
 ATTENTION_BATCH_SIZES = (2, 3, 4, 5, 8, 16, 24, 32, 64, 128)  # the TMA attention's default from 2 rows
 CLUSTER_ATTENTION_BATCH_SIZES = (1, 2, 3)   # the cluster attention's default (1 row), its tests and A/Bs
+STEP_TEST_BUILDS = ((128,), (160, 192))     # tests/test_step_gpu.py's 8-layer builds past 64 rows
 
 
 def shipped_ops(op_type) -> list:
@@ -171,6 +172,20 @@ def attn_res_configs() -> list[tuple]:
     return keys
 
 
+def step_test_build_configs() -> list[tuple]:
+    """Jobs of tests/test_step_gpu.py's 8-layer builds past 64 rows (STEP_TEST_BUILDS), every
+    kernel as graphc.build schedules them, their weights' order included."""
+    from graphc.compile_ahead import schedule_variants
+    from graphc.graph import build_graph
+    from graphc.schedule import build_schedule
+    from graphc.spec import load_spec
+
+    name_of = {module.__name__: name for name, module in kernel_modules().items()}
+    graph = build_graph(load_spec(os.path.join(ROOT, "layer_specs", "kimi_k3_dense_8l.yaml")))
+    return [(name_of[module], key) for sizes in STEP_TEST_BUILDS
+            for module, key in schedule_variants({b: build_schedule(graph, batch=b) for b in sizes}, H200_SMS)]
+
+
 def prune(jobs: list[tuple]) -> tuple[int, int]:
     """Delete the cache's objects of these kernels that no job names (older sources,
     variants not asked for); returns (files, bytes) removed. A job is (compile-cache name, key)."""
@@ -200,6 +215,7 @@ def main() -> None:
     jobs = (gemm_configs(parse_tunings(args.tunings), [int(m) for m in args.m.split(",") if m], args.lean)
             + [("attn_res", k) for k in attn_res_configs()] + [("attention", k) for k in attention_configs()]
             + [("attention_cluster", k) for k in cluster_attention_configs()])
+    jobs = list(dict.fromkeys(jobs + step_test_build_configs()))
     counts = {kind: sum(j[0] == kind for j in jobs)
               for kind in ("gemm_stream_k", "gemm_wide", "attn_res", "attention", "attention_cluster")}
     print(f"{counts['gemm_stream_k']} stream-K and {counts['gemm_wide']} whole-K decode-GEMM, {counts['attn_res']} "

@@ -148,6 +148,12 @@ def test_precompile_lean_list_and_prune(tmp_path, monkeypatch):
                  for k, n, e in {*gemm_shapes.SPEC_SHAPES, *precompile.spec_linear_shapes()}}
     assert job(8, 7168, 10240, None, w_blocked=1) in lean
     assert len(set(lean) - defaults) <= len(gemm_shapes.TUNING_CASES)  # knob variants: the tests' only
+    # The step tests' 8-layer builds past 64 rows, as built: at 160 + 192 rows down runs cuBLAS at 160
+    # and the decode GEMM on its row-major weight at 192, qkv the decode GEMM at 160 on rows too.
+    built = precompile.step_test_build_configs()
+    assert job(192, 18432, 7168, None) in built and job(192, 18432, 7168, None, w_blocked=1) not in built
+    assert job(160, 7168, 10240, None) in built and job(128, 7168, 10240, None) in built
+    assert {name for name, _ in built} >= {"gemm_stream_k", "gemm_wide", "attn_res", "attention"}
 
     monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path))
     assert lean[0][0] == "gemm_stream_k"
