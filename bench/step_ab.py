@@ -218,27 +218,20 @@ def kernel_variants(graph, batch_sizes, variants, sms: int) -> list:
     from step_breakdown import role
 
     found: dict = {}
-
-    def add(variant: Variant | None):
-        rows, impls, options = (variant.rows, variant.implementations, variant.options) if variant else ({}, {}, {})
-        block_rows = options.get("block_rows", weight_blocks.BLOCK)
-        with decode_gemm_rows(rows, graph):
-            schedules = {b: build_schedule(graph, by_node(impls, graph) or None, batch=b) for b in batch_sizes}
-            blocked = set() if options.get("block_weights") is False else blocked_weights(schedules, sms, block_rows)
-            found.update(dict.fromkeys(schedule_variants(schedules, sms, blocked, block_rows)))
-        knobs = {k: v for k, v in (variant.knobs if variant else {}).items() if not k.startswith((ATTENTION, CLUSTER))}
-        if not knobs:
-            return
-        for b, schedule in schedules.items():
+    for variant in (Variant(SHIPPED, {}, None, {}, {}, {}), *variants):
+        block_rows = variant.options.get("block_rows", weight_blocks.BLOCK)
+        with decode_gemm_rows(variant.rows, graph):
+            schedules = {b: build_schedule(graph, by_node(variant.implementations, graph) or None, batch=b)
+                         for b in batch_sizes}
+        blocked = set() if variant.options.get("block_weights") is False else blocked_weights(schedules, sms, block_rows)
+        found.update(dict.fromkeys(schedule_variants(schedules, sms, blocked, block_rows)))
+        knobs = {k: v for k, v in variant.knobs.items() if not k.startswith((ATTENTION, CLUSTER))}
+        for b, schedule in schedules.items() if knobs else ():
             for k in schedule.kernels:
                 if k.op.kind == "linear" and k.impl == "cute" and (variant.roles is None or role(k.node) in variant.roles):
                     in_blocks = k.op.weight_shapes()["weight"][0] in blocked
                     found[gemm.compiled_variant(b, k.op.k, k.op.n, k.op.epilogue, sms,
                                                 w_block_rows=block_rows if in_blocks else 0, **knobs)] = None
-
-    add(None)
-    for variant in variants:
-        add(variant)
     return list(found)
 
 
