@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import operator
 import os
@@ -404,7 +405,13 @@ def check_memory(schedule: Schedule, max_batch: int, dev: torch.device, weights)
     ``weights`` as ``build`` takes them: None (seeded random, with its temporaries), a file,
     or a ``Weights`` already there."""
     if dev.type == "cuda":
+        gc.collect()        # a step dropped inside a reference cycle frees its memory only now
         (free, total), where, memory = torch.cuda.mem_get_info(dev), _gpu_name(dev), "GPU memory"
+        # Memory torch's caching allocator holds for tensors already freed is not free to the
+        # driver but is to this build: the allocator hands it out again (and releases it to
+        # cudaMalloc when a request does not fit in it), so a process that dropped an earlier
+        # step can build another as large.
+        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     else:
         free, total, where, memory = host_free_bytes(), None, "this host", "host memory"
     check_fits(schedule, max_batch, free, where, memory=memory, total_bytes=total,

@@ -392,14 +392,15 @@ def test_inspect_lists_kernels_and_one_node(capsys):
 
 
 def test_inspect_says_which_implementation_each_batch_size_gets(capsys):
-    """The node's default per captured batch size, as spans: down on the decode GEMM up to 96 rows
-    and at 192 (graphc/ops/linear.py DECODE_GEMM_ROWS) where CuTe DSL is installed, else cuBLAS."""
+    """The node's default per captured batch size, as spans: down on the decode GEMM up to 96 rows,
+    at 192 and at 224 (graphc/ops/linear.py DECODE_GEMM_ROWS) where CuTe DSL is installed, else cuBLAS."""
     from graphc.ops.linear import LinearOp
 
     assert main(["inspect", KIMI_8L, "L00.mlp.down"]) == 0
     out = capsys.readouterr().out
     if LinearOp.implementations["cute"].available():
-        assert "by default at batch sizes: cute 1-96, 192; cublas 97-191, 193-512 (with what is installed here)" in out
+        assert ("by default at batch sizes: cute 1-96, 192, 224; cublas 97-191, 193-223, 225-512 "
+                "(with what is installed here)") in out
     else:
         assert "by default at batch sizes: cublas 1-512 (with what is installed here)" in out
     assert main(["inspect", TINY, "L00.attn_res.attn"]) == 0

@@ -175,8 +175,8 @@ def test_decode_gemm_rows_are_ordered_spans_from_one_row_within_its_batch_limit(
 
 def test_linear_implementation_follows_the_measured_crossover():
     """Each captured batch size gets its own schedule: the decode GEMM where it was measured
-    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, down up to 96 and
-    at 192, lm_head up to 96, qkv up to 160, o_proj up to 224, gate_up up to 256), cuBLAS elsewhere and when no batch size is known. A
+    faster than cuBLAS (every linear up to 16 rows; every Kimi linear up to 64, down up to 96, at
+    192 and at 224, lm_head up to 96, qkv up to 160, o_proj up to 224, gate_up up to 256), cuBLAS elsewhere and when no batch size is known. A
     node-name entry overrides the kind's."""
     from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
 
@@ -198,9 +198,9 @@ def test_linear_implementation_follows_the_measured_crossover():
 
     assert on_decode_gemm(96) == {"attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down", "lm_head"}
     assert on_decode_gemm(97) == on_decode_gemm(160) == {"attn.qkv", "attn.o_proj", "mlp.gate_up"}
-    assert on_decode_gemm(161) == on_decode_gemm(191) == on_decode_gemm(193) == on_decode_gemm(224) \
+    assert on_decode_gemm(161) == on_decode_gemm(191) == on_decode_gemm(193) == on_decode_gemm(223) \
         == {"attn.o_proj", "mlp.gate_up"}
-    assert on_decode_gemm(192) == {"attn.o_proj", "mlp.gate_up", "mlp.down"}
+    assert on_decode_gemm(192) == on_decode_gemm(224) == {"attn.o_proj", "mlp.gate_up", "mlp.down"}
     assert on_decode_gemm(225) == on_decode_gemm(256) == {"mlp.gate_up"}
     at128 = build_schedule(g, batch=128)
     assert at128.implementation_summary()["linear"] == "cute/cublas"

@@ -13,7 +13,7 @@ only through a full edge. The CuTe DSL decode GEMM streams its weights before th
 Which one a captured batch size gets by default was measured (bench/gemm.py and
 bench/step_ab.py on H200s, and on H100s for down, o_proj, qkv and lm_head; bench/gemm_notes.md): the decode GEMM up to
 ``DECODE_GEMM_MAX_BATCH`` rows on every linear shape, and on the Kimi shapes up to the rows
-listed in ``DECODE_GEMM_ROWS`` (up to 64; down up to 96 and at 192, lm_head up to 96, qkv up to
+listed in ``DECODE_GEMM_ROWS`` (up to 64; down up to 96, at 192 and at 224, lm_head up to 96, qkv up to
 160, o_proj up to 224, gate_up up to 256); cuBLAS elsewhere. Where the decode GEMM is the only reader of
 a weight at every captured batch size, the build stores that weight in 64 x 64 blocks
 (graphc/plan.py), which it streams 2-7% faster.
@@ -119,19 +119,18 @@ DECODE_GEMM_MAX_BATCH = 16
 #   faster at 96, 160 and 192 rows, tied at 128 and 256 (session 36, two H200s).
 # - o_proj up to 224: -0.6 to -3.6% at 96, 192 and 224 rows, tied at 128-160 (session 38, two
 #   H100s); at 256 its whole-K tiles, on rows, lose to cuBLAS.
-# - down up to 96 and at 192: -2.0% at 96 (session 38), -2.7 to -3.9% at 192 on three H100s,
-#   where cuBLAS's own choice is poor, but 0.3-1.5% slower at 160, 184, 200, 208 and 216
-#   (session 50). 224 (-0.7 / -0.7 / -2.0%) is left out: those A/Bs had down's weight in blocks,
-#   and a build that also captures a size where down runs cuBLAS keeps it row-major
-#   (graphc/plan.py), which may cost as much; `bench/step_ab.py ... --variant
-#   d224:rows.mlp.down=1-96+192+224` is the check (bench/gemm_notes.md §51).
+# - down up to 96, at 192 and at 224: -2.0% at 96 (session 38); -2.7 to -3.9% at 192 and -0.7
+#   to -2.0% at 224 on three H100s with its weight in blocks, and -0.6% at 224 with it
+#   row-major, as a build that also captures a cuBLAS size keeps it (session 51); these are the
+#   sizes where cuBLAS's own choice is poor. 0.3-1.5% slower at 160, 184, 200, 208 and 216
+#   (session 50).
 # - qkv up to 160: -0.4 to -1.2% at 96-160 rows (session 50, two H100 leases). At 192 -0.3 to
 #   -0.7% there too, but alone it is 1.08x cuBLAS at 192 rows on an H200, the target board.
 # - lm_head up to 96: -1.1% at 80 rows, -0.4 / -0.6% at 96, tied at 112-192 (session 50).
-# Spans rather than one crossover per shape because of down's 192 rows.
+# Spans rather than one crossover per shape because of down's 192 and 224 rows.
 DECODE_GEMM_ROWS = {
     (7168, 36864, "silu_mul"): ((1, 256),),            # gate_up
-    (18432, 7168, None): ((1, 96), (192, 192)),        # down
+    (18432, 7168, None): ((1, 96), (192, 192), (224, 224)),   # down
     (7168, 10240, None): ((1, 160),),                   # qkv
     (8192, 7168, None): ((1, 224),),                    # o_proj
     (7168, 163840, None): ((1, 96),),                   # lm_head
