@@ -399,6 +399,17 @@ def host_free_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def cached_free_bytes(dev: torch.device) -> int:
+    """Memory torch's caching allocator holds on ``dev`` in whole segments no tensor uses: not
+    free to the driver, but to this process, since the allocator hands it out again or releases
+    it when a request does not fit (so a process that dropped an earlier step can build another
+    as large). Free pieces of segments still partly in use are left out: a large buffer cannot
+    take them."""
+    stats = torch.cuda.memory_stats(dev)
+    return (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+            - stats.get("inactive_split_bytes.all.current", 0))
+
+
 def check_memory(schedule: Schedule, max_batch: int, dev: torch.device, weights) -> None:
     """Refuse a build on ``dev`` (a GPU, or the host for the reference executor) whose buffers
     and weights cannot fit there, before anything is allocated (``plan.check_fits``).
@@ -407,11 +418,7 @@ def check_memory(schedule: Schedule, max_batch: int, dev: torch.device, weights)
     if dev.type == "cuda":
         gc.collect()        # a step dropped inside a reference cycle frees its memory only now
         (free, total), where, memory = torch.cuda.mem_get_info(dev), _gpu_name(dev), "GPU memory"
-        # Memory torch's caching allocator holds for tensors already freed is not free to the
-        # driver but is to this build: the allocator hands it out again (and releases it to
-        # cudaMalloc when a request does not fit in it), so a process that dropped an earlier
-        # step can build another as large.
-        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        free += cached_free_bytes(dev)
     else:
         free, total, where, memory = host_free_bytes(), None, "this host", "host memory"
     check_fits(schedule, max_batch, free, where, memory=memory, total_bytes=total,
