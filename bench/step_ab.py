@@ -145,7 +145,7 @@ def by_node(implementations: dict, graph) -> dict:
 
 
 @contextlib.contextmanager
-def decode_gemm_rows(rows: dict, graph):
+def step_rows(rows: dict, graph):
     """While open, graphc/ops/linear.py's ``DECODE_GEMM_ROWS`` has these spans for the linear
     shapes of these roles (role -> spans), so a build made meanwhile schedules by them."""
     import graphc.ops.linear as linear
@@ -220,7 +220,7 @@ def kernel_variants(graph, batch_sizes, variants, sms: int) -> list:
     found: dict = {}
     for variant in (Variant(SHIPPED, {}, None, {}, {}, {}), *variants):
         block_rows = variant.options.get("block_rows", weight_blocks.BLOCK)
-        with decode_gemm_rows(variant.rows, graph):
+        with step_rows(variant.rows, graph):
             schedules = {b: build_schedule(graph, by_node(variant.implementations, graph) or None, batch=b)
                          for b in batch_sizes}
         blocked = set() if variant.options.get("block_weights") is False else blocked_weights(schedules, sms, block_rows)
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     steps = {SHIPPED: build(spec, batch_sizes, weights=weights, progress=None)}
     for name, knobs, roles, implementations, options, rows in variants:
         own = Weights.random(shapes, seed=0, device="cuda") if implementations or options or rows else weights
-        with step_knobs(knobs, roles, role_of_weight), decode_gemm_rows(rows, graph):
+        with step_knobs(knobs, roles, role_of_weight), step_rows(rows, graph):
             steps[name] = build(spec, batch_sizes, weights=own, progress=None,
                                 implementations=by_node(implementations, graph) or None, **options)
 

@@ -279,14 +279,14 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     from graphc.schedule import build_schedule
 
     shipped_rows = dict(linear_op.DECODE_GEMM_ROWS)
-    with step_ab.decode_gemm_rows({"mlp.down": ((1, 8), (200, 200))}, graph):
+    with step_ab.step_rows({"mlp.down": ((1, 8), (200, 200))}, graph):
         assert linear_op.decode_gemm_rows(18432, 7168, None) == ((1, 8), (200, 200))
         if linear_op.LinearOp.implementations["cute"].available():
             impls = [build_schedule(graph, batch=b).kernel("L05.mlp.down").impl for b in (8, 9, 200)]
             assert impls == ["cute", "cublas", "cute"]
     assert linear_op.DECODE_GEMM_ROWS == shipped_rows
     with pytest.raises(SystemExit, match="no linear of role 'mlp.gate'"):
-        with step_ab.decode_gemm_rows({"mlp.gate": ((1, 8),)}, graph):
+        with step_ab.step_rows({"mlp.gate": ((1, 8),)}, graph):
             pass
     assert linear_op.DECODE_GEMM_ROWS == shipped_rows
     with pytest.raises(SystemExit, match="no node of role 'mlp.gate'"):
