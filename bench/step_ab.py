@@ -22,11 +22,13 @@ for the op kind KIND (``graphc.build``'s ``implementations``; a KIND with a dot 
 ``impl.mlp.gate_up=cute``: every node of it); ``build.block_weights=0`` builds it with
 every weight row-major (``graphc.build``'s ``block_weights``; the decode GEMM reads the weights it alone
 reads in 64 x 64 blocks by default), ``build.block_rows=16`` with those blocks of 16 rows
-(``graphc.build``'s ``block_rows``). ``rows.ROLE=SPANS`` builds the variant with another entry of
+(``graphc.build``'s ``block_rows``). ``rows.ROLE=SPANS`` builds the variant as another entry of
 the table that says at which captured batch sizes the decode GEMM is a linear's default
 (graphc/ops/linear.py ``DECODE_GEMM_ROWS``, which is per (K, N, epilogue): every role of that
-shape follows it), e.g. ``rows.mlp.down=1-96+192+224``: unlike ``impl.``, which holds at every
-size of the build, this is the build a changed table would ship, weight order included.
+shape follows it) would, e.g. ``rows.mlp.down=1-96+192+224``: the decode GEMM at those sizes,
+cuBLAS at the others, through ``graphc.build``'s per-size ``implementations``
+(``cute@1-96+192+224,cublas``, graphc/choices.py), so the same build, weight order included,
+that a user can make with ``--impl`` once the A/B says which spans win on their board.
 Variants with only knobs share the shipped step's weights; one with ``impl.``, ``rows.`` or
 ``build.`` settings, which may store them in another order, gets its own copy (the same values:
 the same seed). Each variant is captured once; every round replays each variant in turn (``graphc.bench.interleaved_rounds``: the
@@ -80,18 +82,13 @@ class Variant(NamedTuple):
 
 def parse_rows(text: str) -> tuple[tuple[int, int], ...]:
     """``1-96+192`` -> ((1, 96), (192, 192)): ordered, apart, within the decode GEMM's rows."""
+    from graphc.choices import parse_spans
     from graphc.kernels.gemm_contract import MAX_M
 
-    spans = []
-    for item in text.split("+"):
-        first, _, last = item.partition("-")
-        if not first.isdigit() or not (last or first).isdigit():
-            raise ValueError(f"{item!r} is not N or N-M")
-        spans.append((int(first), int(last or first)))
-    for i, (first, last) in enumerate(spans):
-        if not 1 <= first <= last <= MAX_M or (i and first <= spans[i - 1][1] + 1):
-            raise ValueError(f"spans must be in order, apart and within 1-{MAX_M}")
-    return tuple(spans)
+    spans = parse_spans(text)
+    if spans[-1][1] > MAX_M:
+        raise ValueError(f"{text!r}: the decode GEMM takes at most {MAX_M} rows")
+    return spans
 
 
 def parse_variant(text: str) -> Variant:
@@ -149,26 +146,30 @@ def by_node(implementations: dict, graph) -> dict:
     return out
 
 
-@contextlib.contextmanager
-def step_rows(rows: dict, graph):
-    """While open, graphc/ops/linear.py's ``DECODE_GEMM_ROWS`` has these spans for the linear
-    shapes of these roles (role -> spans), so a build made meanwhile schedules by them."""
-    import graphc.ops.linear as linear
+def variant_implementations(variant: Variant, graph) -> dict | None:
+    """``graphc.build``'s ``implementations`` for a variant: its ``impl.`` settings
+    (``by_node``), and for each ``rows.ROLE=SPANS`` every linear of that role's shape (K, N,
+    epilogue: the key of graphc/ops/linear.py's ``DECODE_GEMM_ROWS``, so the build a changed
+    table would ship) on the decode GEMM at those sizes and on cuBLAS at every other
+    (graphc/choices.py). A variant that sets both for one node is refused: which should win?"""
+    from graphc.ops.linear import LinearOp
     from step_breakdown import role
 
-    shipped = dict(linear.DECODE_GEMM_ROWS)
-    try:
-        for key, spans in rows.items():
-            shapes = {(op.k, op.n, op.epilogue) for node, op in graph.nodes(data="op")
-                      if role(node) == key and isinstance(op, linear.LinearOp)}
-            if not shapes:
-                raise SystemExit(f"rows.{key}: no linear of role {key!r} in this spec")
-            for shape in shapes:
-                linear.DECODE_GEMM_ROWS[shape] = spans
-        yield
-    finally:
-        linear.DECODE_GEMM_ROWS.clear()
-        linear.DECODE_GEMM_ROWS.update(shipped)
+    chosen = by_node(variant.implementations, graph)
+    linears = {node: op for node, op in graph.nodes(data="op") if isinstance(op, LinearOp)}
+    for key, spans in variant.rows.items():
+        shapes = {(op.k, op.n, op.epilogue) for node, op in linears.items() if role(node) == key}
+        if not shapes:
+            raise SystemExit(f"rows.{key}: no linear of role {key!r} in this spec")
+        terms = "+".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+        for node, op in linears.items():
+            if (op.k, op.n, op.epilogue) not in shapes:
+                continue
+            if node in chosen or "linear" in chosen:
+                raise SystemExit(f"variant {variant.name}: rows.{key} and an impl. setting both decide "
+                                 f"{node}; give one of them")
+            chosen[node] = f"cute@{terms},cublas"
+    return chosen or None
 
 
 @contextlib.contextmanager
@@ -225,9 +226,8 @@ def kernel_variants(graph, batch_sizes, variants, sms: int) -> list:
     found: dict = {}
     for variant in (Variant(SHIPPED, {}, None, {}, {}, {}), *variants):
         block_rows = variant.options.get("block_rows", weight_blocks.BLOCK)
-        with step_rows(variant.rows, graph):
-            schedules = {b: build_schedule(graph, by_node(variant.implementations, graph) or None, batch=b)
-                         for b in batch_sizes}
+        implementations = variant_implementations(variant, graph)
+        schedules = {b: build_schedule(graph, implementations, batch=b) for b in batch_sizes}
         blocked = set() if variant.options.get("block_weights") is False else blocked_weights(schedules, sms, block_rows)
         found.update(dict.fromkeys(schedule_variants(schedules, sms, blocked, block_rows)))
         knobs = {k: v for k, v in variant.knobs.items() if not k.startswith((ATTENTION, CLUSTER))}
@@ -289,11 +289,12 @@ def main(argv=None) -> int:
     weights = Weights.random(shapes, seed=0, device="cuda")
     role_of_weight = {t.data_ptr(): role(name.rsplit(".", 1)[0]) for name, t in weights.tensors.items()}
     steps = {SHIPPED: build(spec, batch_sizes, weights=weights, progress=None)}
-    for name, knobs, roles, implementations, options, rows in variants:
+    for variant in variants:
+        name, knobs, roles, implementations, options, rows = variant
         own = Weights.random(shapes, seed=0, device="cuda") if implementations or options or rows else weights
-        with step_knobs(knobs, roles, role_of_weight), step_rows(rows, graph):
+        with step_knobs(knobs, roles, role_of_weight):
             steps[name] = build(spec, batch_sizes, weights=own, progress=None,
-                                implementations=by_node(implementations, graph) or None, **options)
+                                implementations=variant_implementations(variant, graph), **options)
 
     floor_rates = device_floor_bandwidth()
     print(f"# {torch.cuda.get_device_name()}: {args.spec}, {args.rounds} rounds of the median of "

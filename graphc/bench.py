@@ -109,7 +109,7 @@ def _inputs(step, batch: int, context: int):
 
 def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = True,
                progress=lambda s: None, step=None, power: bool = False,
-               bandwidth: dict | None = None) -> list[dict]:
+               bandwidth: dict | None = None, implementations: dict | None = None) -> list[dict]:
     """One row per batch size: the replayed step's median time against its floor (at the
     rates of ``bandwidth``; default: ``device_floor_bandwidth``; also at the board's read
     rate where that was measured), and with ``power`` what the board drew meanwhile
@@ -119,7 +119,7 @@ def bench_step(spec, batch_sizes, context: int, weights=None, use_pdl: bool = Tr
     from .runtime import build
 
     step = step or build(spec, batch_sizes, weights=weights, device="cuda", use_pdl=use_pdl,
-                         progress=progress)
+                         implementations=implementations, progress=progress)
     bandwidth = bandwidth or device_floor_bandwidth(step.device)
     flops_per_s, read = bandwidth.get("flops_per_s"), bandwidth.get("read_bytes_per_s")
     rows = []
@@ -186,8 +186,22 @@ def format_step_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _choices_in(spec, implementations: dict | None) -> dict | None:
+    """The caller's implementation choices that name an op kind or node of ``spec``'s graph: the
+    plain-residual model has the same nodes except its residual ones (``L03.residual.mlp`` for
+    ``L03.attn_res.mlp``), so the A/B runs the same choices wherever both models have the node."""
+    from .graph import build_graph
+
+    if not implementations:
+        return None
+    graph = build_graph(spec)
+    names = set(graph.nodes) | {op.kind for _, op in graph.nodes(data="op")}
+    return {key: value for key, value in implementations.items() if key in names} or None
+
+
 def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, compare=True,
-              progress=lambda s: None, say=print, power: bool = True) -> dict:
+              progress=lambda s: None, say=print, power: bool = True,
+              implementations: dict | None = None) -> dict:
     from .runtime import build
     from .spec import load_spec
 
@@ -195,14 +209,15 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
     context = min(context, spec.model.max_context)
     if not torch.cuda.is_available():
         raise GraphcError("graphc bench needs a CUDA GPU")
-    step = build(spec, batch_sizes, weights=weights, device="cuda", progress=progress)
+    step = build(spec, batch_sizes, weights=weights, device="cuda", implementations=implementations,
+                 progress=progress)
     bandwidth = device_floor_bandwidth(step.device)
     rows = bench_step(spec, batch_sizes, context, step=step, power=power,
                       bandwidth=bandwidth)
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "spec": str(spec_path), "context": context, "floor_bandwidth": bandwidth,
               "implementations": {b: step.schedules[b].implementation_summary() for b in batch_sizes},
-              "rows": rows}
+              "implementation_choices": implementations or {}, "rows": rows}
     if compare:
         for r in rows:
             b = r["batch"]
@@ -225,8 +240,10 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
         # built beside this one and timed in turns with it (a board drifts by a percent or more
         # over minutes, as much as the difference); one after the other where both do not fit.
         plain_spec = spec.with_residual("plain")
+        plain_choices = _choices_in(plain_spec, implementations)
         try:
-            plain = build(plain_spec, batch_sizes, device="cuda", progress=progress)
+            plain = build(plain_spec, batch_sizes, device="cuda", implementations=plain_choices,
+                          progress=progress)
         except (GraphcError, torch.cuda.OutOfMemoryError) as e:
             progress(f"the plain-residual model does not fit beside this one ({e}); timing it afterwards")
             plain = None
@@ -246,7 +263,8 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
         del step
         torch.cuda.empty_cache()
         if not in_turns:
-            plain = build(plain_spec, batch_sizes, device="cuda", progress=progress)
+            plain = build(plain_spec, batch_sizes, device="cuda", implementations=plain_choices,
+                          progress=progress)
             for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=plain,
                                              bandwidth=bandwidth)):
                 r["plain_step_us"] = p["step_us"]
@@ -257,9 +275,9 @@ def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, comp
         # every linear layer on cuBLAS (bf16 torch.mm, silu·mul as one Triton kernel), then also
         # AttnRes as PyTorch ops. Attention stays graphc's kernel: the torch reference attention
         # reads the whole cache in fp32, which would flatter graphc.
-        for key, implementations in LIBRARY_BASELINES.items():
+        for key, library_implementations in LIBRARY_BASELINES.items():
             library = build(spec, batch_sizes, weights=weights, device="cuda", use_pdl=False,
-                            implementations=implementations, progress=progress)
+                            implementations=library_implementations, progress=progress)
             for r, p in zip(rows, bench_step(spec, batch_sizes, context, step=library,
                                              bandwidth=bandwidth)):
                 r[key] = p["step_us"]

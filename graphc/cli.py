@@ -80,6 +80,34 @@ def _positive(text: str) -> int:
     return n
 
 
+def _impl(text: str) -> tuple[str, str]:
+    """``--impl KEY=VALUE``: an op kind or node and its implementation choice (graphc/choices.py),
+    its syntax checked here; whether KEY and the names exist, once the spec is read."""
+    from .choices import parse_choice
+
+    key, eq, value = text.partition("=")
+    if not (eq and key and value):
+        raise argparse.ArgumentTypeError(f"expected KIND=NAME or NODE=NAME (e.g. linear=cublas, "
+                                         f"L03.attn.qkv=cute@1-192), found {text!r}")
+    try:
+        parse_choice(key, value)
+    except GraphcError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return key, value
+
+
+def _implementations(args) -> dict[str, str] | None:
+    """The ``--impl`` options as ``graphc.build``'s ``implementations``; a key given twice is
+    refused rather than one of them silently winning."""
+    pairs = getattr(args, "impl", None) or []
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise GraphcError(f"--impl {twice[0]}=... is given more than once: give one value "
+                          f"(terms separated by commas, e.g. {twice[0]}=cute@1-160,cublas)")
+    return dict(pairs) or None
+
+
 def _front(spec_path: str, implementations=None, use_pdl=True, batch: int | None = 1):
     """spec -> graph -> schedule at one batch size (implementations can differ per batch
     size), with timings."""
@@ -227,11 +255,13 @@ def cmd_build(args) -> int:
     # The files describe what runs: on a GPU that is to capture, its implementations (portable
     # ones where it is not an H100/H200), else the Hopper schedule graphc is built for, made of
     # the kernels installed here (the summary names those that are not: not_installed).
-    spec, graph, schedule = _front(args.spec, use_pdl=not args.no_pdl, batch=sizes[0])
-    # The choices graphc.build makes on this GPU (none beyond the defaults on an H100/H200).
-    chosen = gpu_implementations(graph, torch.device("cuda", torch.cuda.current_device()),
-                                 batch_sizes=sizes) if capture else None
-    if chosen:
+    impls = _implementations(args)
+    spec, graph, schedule = _front(args.spec, impls, use_pdl=not args.no_pdl, batch=sizes[0])
+    # The choices graphc.build makes on this GPU (the caller's; portable ones where it is not
+    # an H100/H200).
+    chosen = gpu_implementations(graph, torch.device("cuda", torch.cuda.current_device()), impls,
+                                 batch_sizes=sizes) if capture else impls
+    if chosen != impls:
         schedule = build_schedule(graph, chosen, not args.no_pdl, batch=sizes[0])
     schedules = {b: schedule if b == sizes[0] else build_schedule(graph, chosen, not args.no_pdl, batch=b)
                  for b in sizes}
@@ -304,7 +334,7 @@ def cmd_build(args) -> int:
         from .bench import bench_step, format_step_table
 
         rows = bench_step(args.spec, args.batch_sizes, ctx, weights=args.weights,
-                          use_pdl=not args.no_pdl, progress=_progress)
+                          use_pdl=not args.no_pdl, progress=_progress, implementations=impls)
         _say(format_step_table(rows))
     return 0
 
@@ -394,9 +424,11 @@ def _spans_text(spans: dict[str, list[tuple[int, int]]]) -> str:
 
 
 def cmd_inspect(args) -> int:
+    from .choices import Choices
     from .graph import describe_node, format_dims, weight_bytes
 
-    spec, graph, schedule = _front(args.spec, batch=args.batch)
+    impls = _implementations(args)
+    spec, graph, schedule = _front(args.spec, impls, batch=args.batch)
     if args.node is not None:
         if args.node not in graph:
             raise GraphcError(f"no node {args.node!r} in {args.spec}{did_you_mean(args.node, graph.nodes)}")
@@ -404,6 +436,10 @@ def cmd_inspect(args) -> int:
         k = schedule.kernel(args.node)
         _say(f"  kernel #{k.index}: {k.impl}, {k.edge} edge: {k.reason}")
         _say(f"  by default at batch sizes: {_spans_text(k.op.defaults_by_batch(MAX_BATCH))} (with what is installed here)")
+        choices = Choices(impls)
+        if choices.names_for(k.op):
+            chosen = _spans_text(k.op.defaults_by_batch(MAX_BATCH, lambda b: choices.for_op(k.op, b)))
+            _say(f"  with --impl at batch sizes: {chosen}")
         impl = k.op.implementations[k.impl]
         if impl.describe is not None and impl.available():
             sms, where = _inspect_sms()
@@ -431,7 +467,7 @@ def cmd_viz(args) -> int:
     profile = _load_profile(args.profile) if args.profile else None
     # Draw the schedule that was measured: the profile names its batch and the implementations.
     batch = (profile or {}).get("batch", args.batch)
-    _, graph, schedule = _front(args.spec, batch=batch)
+    _, graph, schedule = _front(args.spec, _implementations(args), batch=batch)
     if profile and profile.get("implementations"):
         from .schedule import build_schedule
 
@@ -479,7 +515,7 @@ def cmd_run(args) -> int:
         raise GraphcError(f"--steps {args.steps}: step i writes position i, and {args.spec} holds "
                           f"{spec.model.max_context} (model.max_context)")
     step = build(spec, [args.batch], weights=args.weights, device=device, seed=args.seed,
-                 progress=_progress)
+                 implementations=_implementations(args), progress=_progress)
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, step.spec.model.vocab, (args.batch,), generator=gen).to(device)
     for i in range(args.steps):
@@ -506,7 +542,7 @@ def cmd_bench(args) -> int:
         _check_writable(Path("bench/results"), "results folder", folder=True)
     run_bench(args.spec, args.batch_sizes, context=context, out=args.out,
               weights=args.weights, compare=not args.quick, progress=_progress, say=_say,
-              power=not args.no_power)
+              power=not args.no_power, implementations=_implementations(args))
     return 0
 
 
@@ -540,17 +576,18 @@ def cmd_compile(args) -> int:
     cache_dir = default_cache_dir()
     _check_writable(cache_dir, "kernel cache (GRAPHC_CACHE_DIR)", folder=True)
     sizes = args.batch_sizes
-    spec, graph, _ = _front(args.spec, batch=sizes[0])
+    impls = _implementations(args)
+    spec, graph, _ = _front(args.spec, impls, batch=sizes[0])
     _writable_folder(cache_dir, "kernel cache (GRAPHC_CACHE_DIR)")    # created once the spec is good
     if gpu:
         from .runtime import gpu_implementations
 
         dev = torch.device("cuda", torch.cuda.current_device())
-        chosen = gpu_implementations(graph, dev, batch_sizes=sizes, progress=_progress)
+        chosen = gpu_implementations(graph, dev, impls, batch_sizes=sizes, progress=_progress)
         sms = args.sms or torch.cuda.get_device_properties(dev).multi_processor_count
         target = f"{torch.cuda.get_device_name(dev)}, {sms} SMs"
     else:
-        chosen, sms = None, args.sms or HOPPER_SMS
+        chosen, sms = impls, args.sms or HOPPER_SMS
         target = f"sm_90a, {sms} SMs (no GPU here; --sms for another count)"
     variants = schedule_variants({b: build_schedule(graph, chosen, batch=b) for b in sizes}, sms)
     _say(f"{spec.model.name} at batch sizes {', '.join(map(str, sizes))}: {_plural(len(variants), 'kernel variant')} "
@@ -568,6 +605,16 @@ def cmd_compile(args) -> int:
     _say(f"  compiled {len(compiled)}, {len(variants) - len(compiled)} already cached, in "
          f"{time.perf_counter() - t0:.1f} s; a GPU build at these batch sizes loads them")
     return 0
+
+
+IMPL_HELP = ("an implementation choice, repeatable: KIND=NAME or NODE=NAME for every batch size "
+             "(linear=cublas), or NAME@SIZES terms for some sizes, the default elsewhere "
+             "(L03.attn.qkv=cute@1-192; linear=cute@1-64,cublas); `graphc inspect SPEC NODE` lists a "
+             "node's implementations")
+
+
+def _add_impl_option(parser) -> None:
+    parser.add_argument("--impl", type=_impl, action="append", metavar="KEY=CHOICE", help=IMPL_HELP)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -599,6 +646,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--write-weight-names", type=_path, metavar="FILE", help="list expected weight names and shapes")
     b.add_argument("--no-pdl", action="store_true", help="full edges everywhere")
     b.add_argument("--no-capture", action="store_true", help="skip GPU capture even on a GPU machine")
+    _add_impl_option(b)
     b.set_defaults(func=cmd_build)
 
     i = sub.add_parser("inspect", help="print the graph, or one node")
@@ -606,6 +654,7 @@ def make_parser() -> argparse.ArgumentParser:
     i.add_argument("node", nargs="?", help="a node name, e.g. L03.attn.qkv (default: every kernel)")
     i.add_argument("--batch", type=_batch, default=1,
                    help="the batch size whose schedule to show (implementations differ per size)")
+    _add_impl_option(i)
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("viz", help="write the dataflow graph (.svg/.dot) or schedule timeline (.html)")
@@ -615,6 +664,7 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--profile", type=_path, help="profile JSON (from DecodeStep.profile): the .html timeline to scale")
     v.add_argument("--batch", type=_batch, default=1,
                    help="the batch size whose schedule to draw (default 1; a profile names its own)")
+    _add_impl_option(v)
     v.set_defaults(func=cmd_viz)
 
     r = sub.add_parser("run", help="build and run a few decode steps on random tokens")
@@ -624,6 +674,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where there is a GPU")
     r.add_argument("--weights", type=_path, help="safetensors file (default: seeded random weights)")
     r.add_argument("--seed", type=_seed, default=0, help="seed of the random weights and tokens (default 0)")
+    _add_impl_option(r)
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("compile", help="compile the GPU kernels a build needs into the kernel cache "
@@ -636,6 +687,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "H100/H200 SXM)")
     c.add_argument("--jobs", type=_positive, help="compile processes (default GRAPHC_COMPILE_JOBS, else "
                    "the CPU count up to 8)")
+    _add_impl_option(c)
     c.set_defaults(func=cmd_compile)
 
     n = sub.add_parser("bench", help="time the captured step on the GPU against its floor and baselines")
@@ -650,6 +702,7 @@ def make_parser() -> argparse.ArgumentParser:
     n.add_argument("--quick", action="store_true", help="only the graphc step, no baselines")
     n.add_argument("--no-power", action="store_true",
                    help="skip sampling board power and SM clock (1.5 s of replays per batch size)")
+    _add_impl_option(n)
     n.set_defaults(func=cmd_bench)
     return p
 

@@ -14,6 +14,7 @@ from typing import Mapping
 
 import networkx as nx
 
+from .choices import Choices
 from .errors import GraphcError, did_you_mean
 from .graph import ops_in_order
 from .ops.base import Op, PdlTraits
@@ -189,7 +190,7 @@ def not_installed(graph: nx.DiGraph, batches: tuple[int | None, ...] = (None,)) 
     for op in ops_in_order(graph):
         for batch in batches:
             for name in op.preference(batch):
-                if op.unsupported(name) is not None:
+                if op.unsupported(name, batch) is not None:
                     continue
                 key = (op.kind, name)
                 if key not in unavailable:
@@ -207,11 +208,12 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
     """The implementation choices to build with on a GPU of compute ``capability`` (named
     ``gpu`` in messages), and what was substituted, in words.
 
-    The caller's choices stand; a choice this GPU cannot run is refused, naming the node and
-    what it needs. Every op kind whose default at one of ``batches`` cannot run here (graphc's
-    CuTe DSL kernels are sm_90a code: H100/H200) gets the first of its implementations that
-    can, for all batch sizes: correct everywhere, without the Hopper kernels' speed."""
-    chosen = dict(implementations or {})
+    The caller's choices stand (graphc/choices.py); a choice this GPU cannot run is refused,
+    naming the node and what it needs, even at sizes not captured. Every op kind whose default
+    at one of ``batches`` the caller leaves open cannot run here (graphc's CuTe DSL kernels are
+    sm_90a code: H100/H200) gets the first of its implementations that can, for all such batch
+    sizes: correct everywhere, without the Hopper kernels' speed."""
+    choices = Choices(implementations)
     cc = f"sm_{capability[0]}{capability[1]}"
     substituted: dict[str, str] = {}
     notes = []
@@ -221,8 +223,7 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
                 if i.runs_on(capability) and i.available() and op.unsupported(n) is None]
 
     for op in ops_in_order(graph):
-        explicit = chosen.get(op.name) or chosen.get(op.kind)
-        if explicit is not None:
+        for explicit in choices.names_for(op):
             impl = op.implementations.get(explicit)
             why = None
             if impl is not None and not impl.runs_on(capability):
@@ -232,10 +233,9 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
             if why:
                 raise GraphcError(f"{op.name}: implementation {explicit!r} of {op.kind} {why}. Choose one of "
                                   f"{', '.join(runnable(op)) or 'none: no implementation runs there'}")
+        if choices.everywhere(op) or op.kind in substituted:
             continue
-        if op.kind in substituted:
-            continue
-        defaults = {op.default_implementation(b) for b in batches}
+        defaults = {op.default_implementation(b) for b in batches if choices.for_op(op, b) is None}
         blocked = sorted(d for d in defaults if not op.implementations[d].runs_on(capability))
         if not blocked:
             continue
@@ -245,7 +245,12 @@ def implementations_for_gpu(graph: nx.DiGraph, capability: tuple[int, int], gpu:
         substituted[op.kind] = portable
         notes.append(f"{op.kind}: {portable} instead of "
                      + ", ".join(f"{d} ({op.implementations[d].arch})" for d in blocked))
-    return {**substituted, **chosen}, notes
+    # The portable implementation is the kind's last resort: after the caller's own terms for
+    # the kind (a kind entry that already ends in a bare name never falls through to it).
+    merged = dict(choices.raw)
+    for kind, portable in substituted.items():
+        merged[kind] = f"{merged[kind]},{portable}" if kind in merged else portable
+    return merged, notes
 
 
 # --- choosing edges -----------------------------------------------------------------------------
@@ -254,27 +259,31 @@ def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None 
                    use_pdl: bool = True, batch: int | None = None) -> Schedule:
     """Program order; a pdl edge into every kernel whose PDL rule holds, full otherwise.
 
-    ``implementations`` maps a node name or an op kind to an implementation name (the node's
-    entry wins); other ops get their default at this captured ``batch`` size
+    ``implementations`` maps a node name or an op kind to an implementation name, or to
+    implementations per span of batch sizes (graphc/choices.py; the node's entry is read
+    first); other ops get their default at this captured ``batch`` size
     (``Op.default_implementation``). Each batch size may
     therefore get a different schedule: the same kernels in the same order, with other
     implementations and so other edges.
     """
-    chosen = dict(implementations or {})
+    choices = Choices(implementations)
     ops = ops_in_order(graph)
     known = {op.name for op in ops} | {op.kind for op in ops}
-    unknown = sorted(set(chosen) - known)
+    unknown = sorted(set(choices.keys()) - known)
     if unknown:
         raise GraphcError(f"implementations: {', '.join(map(repr, unknown))} is neither an op kind "
                           f"nor a node of this graph{did_you_mean(unknown[0], sorted(known))}")
     kernels: list[Launch] = []
     producer: dict[str, int] = {}
     for i, op in enumerate(ops):
-        impl = chosen.get(op.name) or chosen.get(op.kind) or op.default_implementation(batch)
-        if impl not in op.implementations:
-            raise GraphcError(f"{op.name}: no implementation {impl!r} of {op.kind} "
-                              f"(have {', '.join(op.implementations)})")
-        why_not = op.unsupported(impl)
+        # Every name the caller gives must exist, also at sizes this schedule is not for.
+        for name in choices.names_for(op):
+            if name not in op.implementations:
+                raise GraphcError(f"{op.name}: no implementation {name!r} of {op.kind} "
+                                  f"(have {', '.join(op.implementations)})"
+                                  f"{did_you_mean(name, op.implementations)}")
+        impl = choices.for_op(op, batch) or op.default_implementation(batch)
+        why_not = op.unsupported(impl, batch)
         if why_not:
             raise GraphcError(f"{op.name}: implementation {impl!r} cannot run this {op.kind}: {why_not}")
         traits = op.traits(impl)

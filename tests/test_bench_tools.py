@@ -274,21 +274,23 @@ def test_step_ab_variants_reach_only_their_roles(monkeypatch):
     assert step_ab.by_node(gu[3], graph) == {"decode_attention": "cluster",
                                              **{f"L{i:02d}.mlp.gate_up": "cute" for i in range(8)}}
     assert step_ab.by_node({"L03.mlp.down": "cute"}, graph) == {"L03.mlp.down": "cute"}
-    # rows.ROLE=SPANS: the table a build schedules by, for the role's shape, while the variant builds.
+    # rows.ROLE=SPANS: the build a changed DECODE_GEMM_ROWS entry would ship, for every node of
+    # the role's shape, through graphc.build's per-size implementations (no library table changed).
     from graphc.ops import linear as linear_op
     from graphc.schedule import build_schedule
 
     shipped_rows = dict(linear_op.DECODE_GEMM_ROWS)
-    with step_ab.step_rows({"mlp.down": ((1, 8), (200, 200))}, graph):
-        assert linear_op.decode_gemm_rows(18432, 7168, None) == ((1, 8), (200, 200))
-        if linear_op.LinearOp.implementations["cute"].available():
-            impls = [build_schedule(graph, batch=b).kernel("L05.mlp.down").impl for b in (8, 9, 200)]
-            assert impls == ["cute", "cublas", "cute"]
+    down = step_ab.parse_variant("d:rows.mlp.down=1-8+200")
+    chosen = step_ab.variant_implementations(down, graph)
+    assert chosen == {f"L{i:02d}.mlp.down": "cute@1-8+200,cublas" for i in range(8)}
+    impls = [build_schedule(graph, chosen, batch=b).kernel("L05.mlp.down").impl for b in (8, 9, 200)]
+    assert impls == ["cute", "cublas", "cute"]
     assert linear_op.DECODE_GEMM_ROWS == shipped_rows
+    assert step_ab.variant_implementations(gu, graph) == step_ab.by_node(gu[3], graph)
     with pytest.raises(SystemExit, match="no linear of role 'mlp.gate'"):
-        with step_ab.step_rows({"mlp.gate": ((1, 8),)}, graph):
-            pass
-    assert linear_op.DECODE_GEMM_ROWS == shipped_rows
+        step_ab.variant_implementations(step_ab.parse_variant("g:rows.mlp.gate=1-8"), graph)
+    with pytest.raises(SystemExit, match="rows.mlp.down and an impl. setting both decide L00.mlp.down"):
+        step_ab.variant_implementations(step_ab.parse_variant("x:rows.mlp.down=1-8,impl.linear=cublas"), graph)
     with pytest.raises(SystemExit, match="no node of role 'mlp.gate'"):
         step_ab.by_node({"mlp.gate": "cute"}, graph)
     for bad in ("pf8", "shipped:l2_prefetch=8", "x:l2_prefetch", "x:warp_speed=9", "x:attention.heads=2",

@@ -706,3 +706,39 @@ def gemm_plan(m, k, n):
     from graphc.kernels import gemm
 
     return repr(gemm.plan(m, k, n, None, 132))
+
+
+def test_impl_choices_reach_inspect_and_the_build_files(tmp_path, capsys):
+    """``--impl`` takes graphc.build's implementation choices, per batch size too: inspect says
+    what a node then gets at each size, and build writes the schedules it makes."""
+    from graphc.ops.linear import LinearOp
+
+    cute = LinearOp.implementations["cute"].available()
+    assert main(["inspect", KIMI_8L, "L03.attn.qkv", "--batch", "192", "--impl", "L03.attn.qkv=cute@1-192"]) == 0
+    out = capsys.readouterr().out
+    if cute:
+        assert "by default at batch sizes: cute 1-160; cublas 161-512" in out
+        assert "with --impl at batch sizes: cute 1-192; cublas 193-512" in out
+        assert ": cute, pdl edge: waits before reading" in out
+    assert main(["build", TINY, "--batch-sizes", "1,32", "--impl", "linear=cublas@32", "--out", str(tmp_path),
+                 "--no-reference", "--no-capture"]) == 0
+    schedules = (tmp_path / "schedule.txt").read_text()
+    at1, at32 = schedules.split("## batch sizes 32\n")
+    assert "L00.attn.qkv" in at32 and all("cublas" in l for l in at32.splitlines() if ".attn.qkv " in l)
+    if cute:
+        assert all("cute" in l for l in at1.splitlines() if ".attn.qkv " in l)
+
+
+def test_impl_mistakes_are_refused_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", TINY, "--impl", "linear"])
+    assert e.value.code == 2 and "expected KIND=NAME or NODE=NAME" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["build", TINY, "--impl", "linear=cute@1-8+4"])
+    assert "spans must be increasing, apart and from 1" in capsys.readouterr().err
+    assert main(["build", TINY, "--impl", "linear=cublas", "--impl", "linear=cute", "--out", str(tmp_path)]) == 2
+    assert "--impl linear=... is given more than once" in capsys.readouterr().err
+    assert main(["build", TINY, "--impl", "L00.attn.qvk=cublas", "--out", str(tmp_path)]) == 2
+    assert "'L00.attn.qvk' is neither an op kind nor a node of this graph (did you mean L00.attn.qkv" \
+        in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

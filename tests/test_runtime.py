@@ -231,8 +231,14 @@ def test_a_cpu_build_applies_and_checks_implementation_choices():
     assert [k.impl for k in kernels if k.node == "L01.attn.attention"] == ["torch"]   # by node name
     others = {k.impl for k in kernels if k.op.kind == "decode_attention" and k.node != "L01.attn.attention"}
     assert others and "torch" not in others
+    # Per batch size: cuBLAS for qkv at 4 rows only; the other size keeps the kind's choice.
+    per_size = graphc.build("layer_specs/tiny.yaml", [1, 4], device="cpu", progress=None,
+                            implementations={"L00.attn.qkv": "cublas@4", "linear": "cute"})
+    assert [per_size.schedule_for(b).kernel("L00.attn.qkv").impl for b in (1, 4)] == ["cute", "cublas"]
     for bad, message in [({"lienar": "cublas"}, "did you mean linear"),
                          ({"linear": "cublass"}, "no implementation 'cublass'"),
+                         ({"linear": "cute@4,cublass"}, "no implementation 'cublass'"),
+                         ({"linear": "cublas@0-4"}, "spans must be increasing"),
                          ({"L09.mlp.down": "cute"}, "neither an op kind nor a node")]:
         with pytest.raises(GraphcError, match=message):
             graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, implementations=bad)

@@ -217,6 +217,43 @@ def test_linear_implementation_follows_the_measured_crossover():
     assert pinned.kernel("L03.attn.qkv").impl == "cute" and pinned.kernel("lm_head").impl == "cublas"
 
 
+def test_a_choice_for_some_batch_sizes_leaves_the_others_as_shipped():
+    """``NAME@SPANS`` moves one node's crossover (the per-board tuning the measured tables ask
+    for, bench/gemm_notes.md §51-§53); sizes it does not cover keep the kind's entry or the
+    default, and the same mapping gives the same schedules whatever else is captured."""
+    from graphc.ops.linear import LinearOp
+
+    if not LinearOp.implementations["cute"].available():
+        pytest.skip("CuTe DSL is not installed: cuBLAS everywhere")
+    g = build_graph(load_spec("layer_specs/kimi_k3_dense_8l.yaml"))
+    moved = {"L03.attn.qkv": "cute@1-192"}
+    for batch, qkv in ((160, "cute"), (192, "cute"), (193, "cublas"), (224, "cublas")):
+        s = build_schedule(g, moved, batch=batch)
+        shipped = build_schedule(g, batch=batch)
+        assert s.kernel("L03.attn.qkv").impl == qkv
+        # Every other node exactly as shipped (L04's qkv, same shape, keeps the default).
+        assert {n: i for n, i in s.implementations().items() if n != "L03.attn.qkv"} == \
+            {n: i for n, i in shipped.implementations().items() if n != "L03.attn.qkv"}
+    assert build_schedule(g, moved, batch=192).kernel("L03.attn.qkv").edge == "pdl"
+    # A kind entry with a bare name last decides every size its terms do not.
+    kind = {"linear": "cute@1-8,cublas", "lm_head": "cute@1-32"}
+    assert set(build_schedule(g, kind, batch=8).implementations()[n] for n in ("L00.attn.qkv", "lm_head")) == {"cute"}
+    at32 = build_schedule(g, kind, batch=32)
+    assert at32.kernel("L00.attn.qkv").impl == "cublas" and at32.kernel("lm_head").impl == "cute"
+    assert build_schedule(g, kind, batch=33).kernel("lm_head").impl == "cublas"
+
+
+def test_a_choice_past_a_kernels_batch_limit_is_refused_at_the_schedule(tiny):
+    """The decode GEMM takes at most 256 rows: asking for it at 300 is refused by the schedule,
+    before any weight is allocated, not by the kernel's compile; the default there is cuBLAS."""
+    with pytest.raises(GraphcError, match=r"L00\.attn\.qkv: implementation 'cute' cannot run this linear: "
+                                          r"the decode GEMM takes at most 256 rows.*at batch 300 choose cublas"):
+        build_schedule(tiny, {"linear": "cute@1-300"}, batch=300)
+    assert build_schedule(tiny, {"linear": "cute@1-256"}, batch=300).implementation_summary()["linear"] == "cublas"
+    with pytest.raises(GraphcError, match=r"no implementation 'cutee' of linear.*did you mean cute"):
+        build_schedule(tiny, {"linear": "cutee@300"}, batch=1)     # a name is checked at every size
+
+
 def test_unknown_implementation_key_is_refused(tiny):
     """A typo in a node name or op kind must not silently leave the default in place."""
     from graphc.errors import GraphcError
@@ -372,6 +409,25 @@ def test_a_choice_the_gpu_cannot_run_is_refused_by_name():
     # A choice that runs there stands, and the other kinds still get portable ones.
     chosen, notes, _ = _schedules_for(graph, (8, 0), {"L00.attn.qkv": "cublas"})
     assert chosen["L00.attn.qkv"] == "cublas" and chosen["attn_res"] == "torch"
+
+
+def test_a_choice_for_some_sizes_keeps_the_portable_fallback_elsewhere():
+    """On a GPU that cannot run the Hopper kernels, cuBLAS chosen at some sizes leaves the other
+    sizes to the portable substitute, not to the decode GEMM it cannot run; the decode GEMM
+    chosen at any size is refused, even at a size this build does not capture."""
+    from graphc.errors import GraphcError
+
+    graph = build_graph(load_spec("layer_specs/kimi_k3_dense_8l.yaml"))
+    chosen, notes, schedules = _schedules_for(graph, (8, 0), {"linear": "cublas@65-256"})
+    assert chosen["linear"] == "cublas@65-256,cublas"
+    for s in schedules:
+        assert s.implementation_summary()["linear"] == "cublas"
+    chosen, _, schedules = _schedules_for(graph, (8, 0), {"L03.attn.qkv": "cublas@1-8"})
+    assert chosen["linear"] == "cublas" and all(s.kernel("L03.attn.qkv").impl == "cublas" for s in schedules)
+    with pytest.raises(GraphcError, match=r"L03\.attn\.qkv: implementation 'cute' of linear needs sm_90a"):
+        _schedules_for(graph, (8, 0), {"L03.attn.qkv": "cute@200"})
+    # On a Hopper GPU a per-size choice is passed on as given.
+    assert _schedules_for(graph, (9, 0), {"L03.attn.qkv": "cute@1-192"})[:2] == ({"L03.attn.qkv": "cute@1-192"}, [])
 
 
 def test_a_choice_that_is_not_installed_is_refused_by_name(monkeypatch):

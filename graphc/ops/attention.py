@@ -144,7 +144,7 @@ class DecodeAttentionOp(Op):
             return ["cluster", *portable]
         return (["tma"] if batch >= TMA_MIN_BATCH else []) + portable
 
-    def unsupported(self, impl: str) -> str | None:
+    def unsupported(self, impl: str, batch: int | None = None) -> str | None:
         if impl == "tma" and not tma_supports(self.heads, self.kv_heads, self.head_dim, self.max_context):
             return ("the TMA kernel takes head_dim 128 or 256, up to 32 query heads per KV head and "
                     f"max_context a multiple of 64; found head_dim {self.head_dim}, "

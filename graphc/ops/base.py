@@ -177,10 +177,10 @@ class Op:
     def traits(self, impl: str) -> PdlTraits:
         return self.implementations[impl].traits
 
-    def unsupported(self, impl: str) -> str | None:
-        """Why implementation ``impl`` cannot run this op's shape, or None where it can. Ops
-        whose kernels take only some shapes override it; the scheduler refuses such a choice
-        and never makes it by default."""
+    def unsupported(self, impl: str, batch: int | None = None) -> str | None:
+        """Why implementation ``impl`` cannot run this op's shape (at a captured ``batch``
+        size, where one is known), or None where it can. Ops whose kernels take only some
+        shapes override it; the scheduler refuses such a choice and never makes it by default."""
         return None
 
     def preference(self, batch: int | None = None) -> list[str]:
@@ -189,13 +189,15 @@ class Op:
         Ops whose best implementation depends on the batch override it."""
         return list(self.implementations)
 
-    def defaults_by_batch(self, max_batch: int) -> dict[str, list[tuple[int, int]]]:
+    def defaults_by_batch(self, max_batch: int, chosen=None) -> dict[str, list[tuple[int, int]]]:
         """Implementation -> the (first, last) spans of captured batch sizes 1..``max_batch``
-        that get it by default here (``default_implementation``), in order of first use."""
+        that get it by default here (``default_implementation``), in order of first use; with
+        ``chosen`` (batch -> a caller's choice or None, graphc/choices.py) what a build with
+        those choices gets."""
         spans: dict[str, list[tuple[int, int]]] = {}
         previous = None
         for batch in range(1, max_batch + 1):
-            name = self.default_implementation(batch)
+            name = (chosen and chosen(batch)) or self.default_implementation(batch)
             if name == previous:
                 first, _ = spans[name][-1]
                 spans[name][-1] = (first, batch)
@@ -208,7 +210,7 @@ class Op:
         """The implementation a captured ``batch`` size gets: the first of ``preference(batch)``
         that is installed here and runs this shape."""
         for name in self.preference(batch):
-            if self.implementations[name].available() and self.unsupported(name) is None:
+            if self.implementations[name].available() and self.unsupported(name, batch) is None:
                 return name
         raise RuntimeError(f"no implementation of {self.kind} is available")
 

@@ -1,0 +1,113 @@
+"""Implementation choices a caller makes: ``graphc.build(..., implementations={...})``,
+``graphc build SPEC --impl KEY=VALUE``.
+
+A key is an op kind (``linear``) or a node name (``L03.mlp.down``). A value is an
+implementation name for every captured batch size (``"cublas"``), or terms separated by
+commas, each ``NAME@SPANS`` (that implementation at those captured batch sizes) or, last, a
+bare ``NAME`` (at every other size): ``"cute@1-160+192,cublas"``. SPANS are ``N`` or
+``N-M`` joined by ``+``, in increasing order and apart, e.g. ``1-96+192+224``.
+
+For an op at a captured batch size the node's entry is read first, then its kind's; the first
+term that covers the size decides. A size no term covers gets the default, what was measured
+fastest there (``Op.default_implementation``). So ``{"L03.attn.qkv": "cute@1-192"}`` moves one
+layer's crossover and leaves every other size and node as shipped: the per-size form exists
+because the measured crossovers differ between boards (bench/gemm_notes.md §51-§53).
+
+No torch here: the CLI parses ``--impl`` with it before importing anything heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .errors import GraphcError
+
+Span = tuple[int, int]
+
+
+def parse_spans(text: str) -> tuple[Span, ...]:
+    """``"1-96+192"`` -> ((1, 96), (192, 192)); ValueError naming what is wrong."""
+    spans: list[Span] = []
+    for item in text.split("+"):
+        first, dash, last = item.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{item!r} is not N or N-M")
+        spans.append((int(first), int(last) if dash else int(first)))
+    for i, (first, last) in enumerate(spans):
+        if not 1 <= first <= last or (i and first <= spans[i - 1][1] + 1):
+            raise ValueError(f"{text!r}: spans must be increasing, apart and from 1 "
+                             f"(e.g. 1-96+192)")
+    return tuple(spans)
+
+
+def covers(spans: tuple[Span, ...], batch: int) -> bool:
+    return any(first <= batch <= last for first, last in spans)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One implementation at some captured batch sizes (``spans``), or at every size (None)."""
+
+    name: str
+    spans: tuple[Span, ...] | None = None
+
+    def applies(self, batch: int | None) -> bool:
+        # With no batch size known (a schedule for no particular size) only a bare name applies.
+        return self.spans is None or (batch is not None and covers(self.spans, batch))
+
+    def __str__(self) -> str:
+        if self.spans is None:
+            return self.name
+        return self.name + "@" + "+".join(f"{a}" if a == b else f"{a}-{b}" for a, b in self.spans)
+
+
+def parse_choice(key: str, value: str) -> tuple[Term, ...]:
+    """``"cute@1-160+192,cublas"`` -> its terms; a GraphcError naming the key and value."""
+    terms = []
+    items = value.split(",")
+    for i, item in enumerate(items):
+        name, at, spans = item.strip().partition("@")
+        try:
+            if not name:
+                raise ValueError("an implementation name is missing")
+            if not at and i != len(items) - 1:
+                raise ValueError(f"only the last term may be a bare name (every other size); "
+                                 f"{name!r} comes before {items[i + 1].strip()!r}")
+            terms.append(Term(name, parse_spans(spans) if at else None))
+        except ValueError as e:
+            raise GraphcError(f"implementations[{key!r}] = {value!r}: {e}. Expected NAME, or "
+                              f"NAME@SPANS terms separated by commas with an optional bare NAME "
+                              f"last, e.g. 'cute@1-160+192,cublas'") from None
+    return tuple(terms)
+
+
+class Choices:
+    """A caller's implementation choices, parsed once and read per (op, batch size)."""
+
+    def __init__(self, implementations: Mapping[str, str] | None = None):
+        self.raw = dict(implementations or {})
+        self.terms = {key: parse_choice(key, value) for key, value in self.raw.items()}
+
+    def __bool__(self) -> bool:
+        return bool(self.terms)
+
+    def keys(self):
+        return self.terms.keys()
+
+    def names_for(self, op) -> list[str]:
+        """Every implementation the caller names for ``op`` at some size (node entry first)."""
+        return [t.name for key in (op.name, op.kind) for t in self.terms.get(key, ())]
+
+    def for_op(self, op, batch: int | None) -> str | None:
+        """The implementation the caller chose for ``op`` at this captured batch size, or None
+        where the default decides."""
+        for key in (op.name, op.kind):
+            for term in self.terms.get(key, ()):
+                if term.applies(batch):
+                    return term.name
+        return None
+
+    def everywhere(self, op) -> bool:
+        """Whether the caller decides ``op`` at every batch size (a bare name reached)."""
+        return any(t.spans is None for key in (op.name, op.kind) for t in self.terms.get(key, ()))
