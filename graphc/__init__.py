@@ -40,9 +40,10 @@ def build(*args, **kwargs):
                      shapes ``graphc build SPEC --write-weight-names FILE`` lists, or a ``Weights``.
     device:          "cuda", "cuda:N", or "cpu" (the op-by-op reference executor, no graphs).
     implementations: overrides by op kind or node name, e.g. ``{"linear": "cublas"}`` or
-                     ``{"L03.mlp.down": "cute"}``, or per captured batch size with
-                     ``NAME@SIZES`` terms and an optional bare name last:
-                     ``{"linear": "cute@1-64,cublas"}``, ``{"L03.attn.qkv": "cute@1-192"}``
+                     ``{"L03.mlp.down": "cute"}`` or a pattern of node names
+                     (``{"L*.attn.qkv": ...}``), for every size or per captured batch size
+                     with ``NAME@SIZES`` terms and an optional bare name last:
+                     ``{"linear": "cute@1-64,cublas"}``, ``{"L*.attn.qkv": "cute@1-192"}``
                      (graphc/choices.py); the default is what was measured fastest at each
                      batch size.
     use_pdl:         False puts full edges everywhere (for A/B comparisons).

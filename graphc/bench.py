@@ -190,13 +190,15 @@ def _choices_in(spec, implementations: dict | None) -> dict | None:
     """The caller's implementation choices that name an op kind or node of ``spec``'s graph: the
     plain-residual model has the same nodes except its residual ones (``L03.residual.mlp`` for
     ``L03.attn_res.mlp``), so the A/B runs the same choices wherever both models have the node."""
+    from .choices import Choices
     from .graph import build_graph
 
     if not implementations:
         return None
     graph = build_graph(spec)
-    names = set(graph.nodes) | {op.kind for _, op in graph.nodes(data="op")}
-    return {key: value for key, value in implementations.items() if key in names} or None
+    unmatched = set(Choices(implementations).unmatched(list(graph.nodes),
+                                                       {op.kind for _, op in graph.nodes(data="op")}))
+    return {key: value for key, value in implementations.items() if key not in unmatched} or None
 
 
 def run_bench(spec_path, batch_sizes, context=1024, out=None, weights=None, compare=True,

@@ -1,23 +1,26 @@
 """Implementation choices a caller makes: ``graphc.build(..., implementations={...})``,
 ``graphc build SPEC --impl KEY=VALUE``.
 
-A key is an op kind (``linear``) or a node name (``L03.mlp.down``). A value is an
+A key is an op kind (``linear``), a node name (``L03.mlp.down``), or a pattern of node names
+with ``*``, ``?`` or ``[...]`` (``L*.attn.qkv``: every layer's qkv; fnmatch). A value is an
 implementation name for every captured batch size (``"cublas"``), or terms separated by
 commas, each ``NAME@SPANS`` (that implementation at those captured batch sizes) or, last, a
 bare ``NAME`` (at every other size): ``"cute@1-160+192,cublas"``. SPANS are ``N`` or
 ``N-M`` joined by ``+``, in increasing order and apart, e.g. ``1-96+192+224``.
 
-For an op at a captured batch size the node's entry is read first, then its kind's; the first
-term that covers the size decides. A size no term covers gets the default, what was measured
-fastest there (``Op.default_implementation``). So ``{"L03.attn.qkv": "cute@1-192"}`` moves one
-layer's crossover and leaves every other size and node as shipped: the per-size form exists
-because the measured crossovers differ between boards (bench/gemm_notes.md §51-§53).
+For an op at a captured batch size the node's entry is read first, then the patterns that
+match its name (in the order given), then its kind's; the first term that covers the size
+decides. A size no term covers gets the default, what was measured fastest there
+(``Op.default_implementation``). So ``{"L*.attn.qkv": "cute@1-192"}`` moves qkv's crossover and
+leaves every other size and node as shipped: the per-size form exists because the measured
+crossovers differ between boards (bench/gemm_notes.md §51-§53).
 
 No torch here: the CLI parses ``--impl`` with it before importing anything heavy.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -62,8 +65,9 @@ class Term:
         return self.name + "@" + "+".join(f"{a}" if a == b else f"{a}-{b}" for a, b in self.spans)
 
 
-def parse_choice(key: str, value: str) -> tuple[Term, ...]:
-    """``"cute@1-160+192,cublas"`` -> its terms; a GraphcError naming the key and value."""
+def parse_choice(key: str, value: str, max_batch: int | None = None) -> tuple[Term, ...]:
+    """``"cute@1-160+192,cublas"`` -> its terms; a GraphcError naming the key and value (and,
+    with ``max_batch``, a size past the largest a build captures)."""
     terms = []
     items = value.split(",")
     for i, item in enumerate(items):
@@ -74,7 +78,10 @@ def parse_choice(key: str, value: str) -> tuple[Term, ...]:
             if not at and i != len(items) - 1:
                 raise ValueError(f"only the last term may be a bare name (every other size); "
                                  f"{name!r} comes before {items[i + 1].strip()!r}")
-            terms.append(Term(name, parse_spans(spans) if at else None))
+            term = Term(name, parse_spans(spans) if at else None)
+            if max_batch is not None and term.spans and term.spans[-1][1] > max_batch:
+                raise ValueError(f"{spans!r} goes past {max_batch}, the largest batch size a build captures")
+            terms.append(term)
         except ValueError as e:
             raise GraphcError(f"implementations[{key!r}] = {value!r}: {e}. Expected NAME, or "
                               f"NAME@SPANS terms separated by commas with an optional bare NAME "
@@ -82,12 +89,16 @@ def parse_choice(key: str, value: str) -> tuple[Term, ...]:
     return tuple(terms)
 
 
+def is_pattern(key: str) -> bool:
+    return any(c in key for c in "*?[")
+
+
 class Choices:
     """A caller's implementation choices, parsed once and read per (op, batch size)."""
 
-    def __init__(self, implementations: Mapping[str, str] | None = None):
+    def __init__(self, implementations: Mapping[str, str] | None = None, max_batch: int | None = None):
         self.raw = dict(implementations or {})
-        self.terms = {key: parse_choice(key, value) for key, value in self.raw.items()}
+        self.terms = {key: parse_choice(key, value, max_batch) for key, value in self.raw.items()}
 
     def __bool__(self) -> bool:
         return bool(self.terms)
@@ -95,19 +106,26 @@ class Choices:
     def keys(self):
         return self.terms.keys()
 
+    def unmatched(self, nodes, kinds) -> list[str]:
+        """The keys that are neither a kind nor a node of these, nor a pattern matching a node."""
+        return [key for key in self.terms if key not in kinds and key not in nodes
+                and not (is_pattern(key) and fnmatch.filter(nodes, key))]
+
+    def _terms_for(self, op):
+        """``op``'s terms in the order they are read: its node's, matching patterns', its kind's."""
+        patterns = [k for k in self.terms if is_pattern(k) and fnmatch.fnmatchcase(op.name, k)]
+        for key in (op.name, *patterns, op.kind):
+            yield from self.terms.get(key, ())
+
     def names_for(self, op) -> list[str]:
-        """Every implementation the caller names for ``op`` at some size (node entry first)."""
-        return [t.name for key in (op.name, op.kind) for t in self.terms.get(key, ())]
+        """Every implementation the caller names for ``op`` at some size."""
+        return [t.name for t in self._terms_for(op)]
 
     def for_op(self, op, batch: int | None) -> str | None:
         """The implementation the caller chose for ``op`` at this captured batch size, or None
         where the default decides."""
-        for key in (op.name, op.kind):
-            for term in self.terms.get(key, ()):
-                if term.applies(batch):
-                    return term.name
-        return None
+        return next((t.name for t in self._terms_for(op) if t.applies(batch)), None)
 
     def everywhere(self, op) -> bool:
         """Whether the caller decides ``op`` at every batch size (a bare name reached)."""
-        return any(t.spans is None for key in (op.name, op.kind) for t in self.terms.get(key, ()))
+        return any(t.spans is None for t in self._terms_for(op))

@@ -90,7 +90,7 @@ def _impl(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"expected KIND=NAME or NODE=NAME (e.g. linear=cublas, "
                                          f"L03.attn.qkv=cute@1-192), found {text!r}")
     try:
-        parse_choice(key, value)
+        parse_choice(key, value, MAX_BATCH)
     except GraphcError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return key, value
@@ -173,8 +173,9 @@ def _writable_file(path: Path, what: str) -> None:
 def _check_writable(path: Path, what: str, folder: bool) -> None:
     if path.exists():
         if path.is_dir() != folder:
-            raise GraphcError(f"{what} {path}: " + ("a file of that name is in the way" if folder
-                                                    else "that is a folder; give a file name"))
+            raise GraphcError(f"{what} {path}: " + ("that is a folder; give a file name" if not folder
+                                                    else "a file of that name is in the way" if path.is_file()
+                                                    else "a device, a pipe or a socket, not a folder"))
         if not folder and not path.is_file():
             # An output is renamed into place, which would replace a device or a pipe with a
             # regular file (as root, /dev/null itself).
@@ -272,10 +273,22 @@ def cmd_build(args) -> int:
         check_weights(args.weights, weight_shapes(graph))
     wbytes = weight_bytes(graph)
     reference = args.reference or (args.reference is None and wbytes <= SMALL_MODEL_BYTES)
+    no_reference_why = None       # why a reference step nobody asked for is not run, said below
+    if args.reference is None and not reference:
+        no_reference_why = (f"the weights are {wbytes / 1e9:.2f} GB, above the "
+                            f"{SMALL_MODEL_BYTES / 2**20:.0f} MiB a build steps through by default "
+                            f"(--reference runs one)")
     if reference:     # the CPU reference step must fit in host memory
-        check_memory(schedule, sizes[0], torch.device("cpu"), args.weights)
-        if args.weights:    # it reads every value, so check them now (a small model: cheap)
-            check_finite_weights(args.weights, weight_shapes(graph))
+        try:
+            check_memory(schedule, sizes[0], torch.device("cpu"), args.weights)
+        except GraphcError as e:
+            if args.reference:       # asked for: the refusal stands
+                raise
+            # The default must not cost the build: small weights can still come with a KV
+            # cache (model.max_context) the host cannot hold.
+            reference, no_reference_why = False, f"it does not fit in host memory: {e}"
+    if reference and args.weights:    # it reads every value, so check them now (a small model: cheap)
+        check_finite_weights(args.weights, weight_shapes(graph))
     out = Path(args.out or Path("out") / Path(args.spec).stem)
     inputs = {args.spec: "the spec", args.weights: "the --weights file"}
     _check_writable(out, "--out", folder=True)
@@ -283,8 +296,8 @@ def cmd_build(args) -> int:
         _writable_file(out / name, "--out")
         _refuse_overwriting_inputs(out / name, "--out", inputs)
     names_file = Path(args.write_weight_names) if args.write_weight_names else None
-    if names_file:       # written where it says, into a folder that must exist
-        if not names_file.parent.is_dir():
+    if names_file:       # written where it says: into a folder that exists, or the --out folder
+        if not names_file.parent.is_dir() and names_file.parent.resolve() != out.resolve():
             raise GraphcError(f"--write-weight-names {names_file}: no folder {names_file.parent}")
         _writable_file(names_file, "--write-weight-names")
         _refuse_overwriting_inputs(names_file, "--write-weight-names",
@@ -326,6 +339,8 @@ def cmd_build(args) -> int:
 
     if reference:
         _reference_step(spec, schedule, sizes[0], args.weights)
+    elif no_reference_why:
+        _say(f"  no reference step on CPU: {no_reference_why}")
 
     if not capture:
         _say("  no GPU capture: " + ("--no-capture" if args.no_capture else "no CUDA GPU on this machine")
@@ -460,6 +475,7 @@ def cmd_viz(args) -> int:
 
     out = Path(args.out)
     _writable_file(out, "--out")        # a folder given as --out is named as such first
+    _refuse_overwriting_inputs(out, "--out", {args.spec: "the spec", args.profile: "the --profile file"})
     suffix = picture_suffix(out)        # before any work, and before a folder is made for it
     if args.profile and suffix != ".html":
         raise GraphcError(f"--profile draws measured durations on the schedule timeline: write it to "
@@ -475,8 +491,15 @@ def cmd_viz(args) -> int:
             schedule = build_schedule(graph, profile["implementations"], batch=batch)
         except GraphcError as e:        # the profile's names, not the command line's
             raise GraphcError(f"--profile {args.profile}: {e}") from None
-    made = _writable_folder(out.parent, "--out folder")
-    _write_all({out: picture(schedule, out, profile)}, made)
+    try:
+        drawn = picture(schedule, out, profile)
+    except GraphcError as e:
+        if profile is None:
+            raise
+        # What is wrong with the profile, named by the option that gave it, as _load_profile does.
+        raise GraphcError(f"--profile {args.profile}: {str(e).removeprefix('profile: ')}") from None
+    made = _writable_folder(out.parent, "--out folder")       # only once there is a picture
+    _write_all({out: drawn}, made)
     _say(f"wrote {out}")
     return 0
 
@@ -607,10 +630,10 @@ def cmd_compile(args) -> int:
     return 0
 
 
-IMPL_HELP = ("an implementation choice, repeatable: KIND=NAME or NODE=NAME for every batch size "
-             "(linear=cublas), or NAME@SIZES terms for some sizes, the default elsewhere "
-             "(L03.attn.qkv=cute@1-192; linear=cute@1-64,cublas); `graphc inspect SPEC NODE` lists a "
-             "node's implementations")
+IMPL_HELP = ("an implementation choice, repeatable: KIND=NAME or NODE=NAME (NODE may be a "
+             "pattern, 'L*.attn.qkv') for every batch size (linear=cublas), or NAME@SIZES terms "
+             "for some sizes, the default elsewhere ('L*.attn.qkv=cute@1-192'; "
+             "linear=cute@1-64,cublas); `graphc inspect SPEC NODE` lists a node's implementations")
 
 
 def _add_impl_option(parser) -> None:

@@ -26,6 +26,7 @@ from .graph import build_graph, weight_shapes
 from .kernels import weight_blocks
 from .plan import Plan, blocked_weights, check_fits, check_weight_orders, row_major_for_some_sizes
 from .reference import run_kernels
+from .choices import Choices
 from .schedule import Schedule, build_schedule, implementations_for_gpu
 from .spec import Spec, load_spec
 from .weights import Weights, check_finite_weights, random_init_temporary_bytes, read_weights
@@ -372,7 +373,7 @@ def run_device(device) -> torch.device:
         raise GraphcError(f"device {device!r}: graphc runs on 'cuda' (or 'cuda:N') or on 'cpu' "
                           f"(the reference executor)")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GraphcError("device 'cuda' requested but no CUDA GPU is available; run on the CPU "
+        raise GraphcError(f"device {str(dev)!r} requested but no CUDA GPU is available; run on the CPU "
                           "instead (device='cpu'; graphc run --device cpu)")
     if dev.type == "cpu":
         if dev.index not in (None, 0):
@@ -519,6 +520,7 @@ def _check_build_arguments(weights, implementations, use_pdl, seed, progress, co
                                                 for k, v in implementations.items()))):
         raise GraphcError(f"implementations: expected a mapping from op kinds or node names to "
                           f"implementation names, e.g. {{'linear': 'cublas'}}; found {implementations!r:.80}")
+    Choices(implementations, MAX_BATCH)        # the per-size terms' syntax and range (graphc/choices.py)
     for name, value in (("use_pdl", use_pdl), ("block_weights", block_weights)):
         if not isinstance(value, bool):
             raise GraphcError(f"{name}: expected True or False, found {value!r:.60}")

@@ -268,11 +268,12 @@ def build_schedule(graph: nx.DiGraph, implementations: Mapping[str, str] | None 
     """
     choices = Choices(implementations)
     ops = ops_in_order(graph)
-    known = {op.name for op in ops} | {op.kind for op in ops}
-    unknown = sorted(set(choices.keys()) - known)
+    nodes, kinds = [op.name for op in ops], {op.kind for op in ops}
+    unknown = sorted(choices.unmatched(nodes, kinds))
     if unknown:
         raise GraphcError(f"implementations: {', '.join(map(repr, unknown))} is neither an op kind "
-                          f"nor a node of this graph{did_you_mean(unknown[0], sorted(known))}")
+                          f"nor a node of this graph, nor a pattern matching one"
+                          f"{did_you_mean(unknown[0], sorted(kinds | set(nodes)))}")
     kernels: list[Launch] = []
     producer: dict[str, int] = {}
     for i, op in enumerate(ops):

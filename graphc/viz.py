@@ -411,6 +411,12 @@ def _profile_bars(kernels, profile: Mapping[str, Any]) -> list[_Bar]:
             raise GraphcError(f"profile: kernels[{j}] ({row['node']}): start_us must be a "
                               f"number within +-{_PROFILE_MAX_US:.0e} (1000 s), got {row['start_us']!r}")
         by_node[str(row["node"])] = row
+    scheduled = {k.node for k in kernels}
+    unknown = [n for n in by_node if n not in scheduled]
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise GraphcError(f"profile: {', '.join(unknown[:5])}{more} is not a kernel of this schedule "
+                          f"(a profile of another spec?)")
     missing = [k.node for k in kernels if k.node not in by_node]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

@@ -48,3 +48,15 @@ def test_the_node_entry_then_the_kind_entry_then_the_default_decide():
     assert not only_node.everywhere(qkv)
     assert only_node.names_for(qkv) == ["cute"] and only_node.names_for(down) == []
     assert not Choices(None) and Choices({"linear": "cublas"})
+
+
+def test_a_pattern_reaches_every_node_it_matches_after_the_nodes_own_entry():
+    qkv3, qkv4, down = FakeOp("L03.attn.qkv", "linear"), FakeOp("L04.attn.qkv", "linear"), FakeOp("L03.mlp.down", "linear")
+    choices = Choices({"L*.attn.qkv": "cute@1-192", "L04.attn.qkv": "cublas@100-200", "linear": "cublas"})
+    assert [choices.for_op(qkv3, b) for b in (150, 193)] == ["cute", "cublas"]
+    assert [choices.for_op(qkv4, b) for b in (99, 150, 201)] == ["cute", "cublas", "cublas"]
+    assert choices.for_op(down, 1) == "cublas"
+    assert Choices({"L*.attn.qkv": "cute"}).for_op(down, 1) is None
+    nodes = ["L03.attn.qkv", "L04.attn.qkv", "L03.mlp.down"]
+    assert Choices({"L*.attn.qkv": "cute", "L*.attn.qkvx": "cute", "linear": "cute", "conv": "x"}).unmatched(
+        nodes, {"linear"}) == ["L*.attn.qkvx", "conv"]

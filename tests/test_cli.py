@@ -332,6 +332,48 @@ def test_a_build_without_a_gpu_says_when_no_h200_holds_the_model(tmp_path):
     assert r.returncode == 0 and "more than an H200" not in r.stdout
 
 
+def test_a_default_reference_step_that_cannot_fit_is_skipped_and_said(tmp_path, capsys, monkeypatch):
+    """The reference step runs by default for small weights; a KV cache the host cannot hold
+    (model.max_context) must not fail a build nobody asked to step through, and the summary says
+    why no step ran. Asked for with --reference, the refusal stands."""
+    from graphc import runtime
+
+    spec = tmp_path / "long.yaml"
+    spec.write_text(open(TINY).read().replace("max_context: 256", "max_context: 4000000"))
+    monkeypatch.setattr(runtime, "host_free_bytes", lambda: 8 << 30)      # the same on any host
+    assert main(["build", str(spec), "--batch-sizes", "1", "--out", str(tmp_path / "a"), "--no-capture"]) == 0
+    out = capsys.readouterr().out
+    assert "no reference step on CPU: it does not fit in host memory: tiny at batch sizes up to 1 needs" in out
+    assert (tmp_path / "a" / "graph.json").exists()
+    assert main(["build", str(spec), "--batch-sizes", "1", "--out", str(tmp_path / "b"), "--reference"]) == 2
+    assert "needs" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    assert main(["build", "layer_specs/kimi_k3_dense.yaml", "--batch-sizes", "1", "--out", str(tmp_path / "k"),
+                 "--no-capture"]) == 0
+    assert ("no reference step on CPU: the weights are 103.00 GB, above the 512 MiB a build steps through "
+            "by default (--reference runs one)") in capsys.readouterr().out
+
+
+def test_the_weight_names_may_go_into_the_out_folder_the_build_creates(tmp_path, capsys):
+    out = tmp_path / "new"
+    assert main(["build", TINY, "--out", str(out), "--no-reference", "--no-capture",
+                 "--write-weight-names", str(out / "names.txt")]) == 0
+    assert "L00.attn.qkv.weight\t[1536, 1024]" in (out / "names.txt").read_text().splitlines()
+    other = tmp_path / "other"
+    assert main(["build", TINY, "--out", str(other), "--write-weight-names", str(other / "graph.json")]) == 2
+    assert "that is an output of this build" in capsys.readouterr().err and not other.exists()
+    if os.path.exists("/dev/null"):
+        assert main(["build", TINY, "--out", "/dev/null"]) == 2
+        assert "--out /dev/null: a device, a pipe or a socket, not a folder" in capsys.readouterr().err
+
+
+def test_viz_never_replaces_its_spec_or_profile(tmp_path, capsys):
+    spec = tmp_path / "s.svg"            # a spec whose name is a picture's
+    spec.write_text(open(TINY).read())
+    assert main(["viz", str(spec), "--out", str(spec)]) == 2
+    assert "that is the spec; writing there would replace it" in capsys.readouterr().err
+    assert spec.read_text() == open(TINY).read()
+
+
 def test_viz_creates_the_output_folder_and_checks_the_profile(tmp_path):
     assert main(["viz", TINY, "--out", str(tmp_path / "new" / "g.svg")]) == 0
     assert (tmp_path / "new" / "g.svg").stat().st_size > 1000
@@ -345,6 +387,24 @@ def test_viz_creates_the_output_folder_and_checks_the_profile(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr and message in r.stderr, r.stderr
     r = run_cli("viz", TINY, "--out", str(tmp_path / "t.html"), "--profile", str(tmp_path / "none.json"))
     assert r.returncode == 2 and "none.json: no such file" in r.stderr
+
+
+def test_a_profile_that_does_not_fit_the_schedule_is_named_by_its_option(tmp_path, capsys):
+    """Every refusal of a --profile starts with the option and the file; a kernel the schedule
+    lacks is named (a profile of another spec), and no output folder is left behind."""
+    p = tmp_path / "p.json"
+    out = tmp_path / "new" / "t.html"
+    for text, message in [('{"batch": 1}', "expected {\"gpu\""),
+                          ('{"kernels": [{"node": "nope", "duration_us": 3}]}',
+                           "nope is not a kernel of this schedule (a profile of another spec?)"),
+                          ('{"kernels": [{"node": "embed", "duration_us": -1}]}', "kernels[0] (embed): duration_us"),
+                          ('{"kernels": [{"node": "embed", "duration_us": 3}]}', "profile has no duration for L00")]:
+        p.write_text(text)
+        assert main(["viz", TINY, "--out", str(out), "--profile", str(p)]) == 2
+        err = capsys.readouterr().err
+        error = err.splitlines()[-1]
+        assert error.startswith(f"graphc: error: --profile {p}: ") and message in error, err
+        assert not out.parent.exists()
 
 
 def test_inspect_into_a_closed_pipe_stops_quietly():
@@ -739,6 +799,7 @@ def test_impl_mistakes_are_refused_before_any_work(tmp_path, capsys):
     assert main(["build", TINY, "--impl", "linear=cublas", "--impl", "linear=cute", "--out", str(tmp_path)]) == 2
     assert "--impl linear=... is given more than once" in capsys.readouterr().err
     assert main(["build", TINY, "--impl", "L00.attn.qvk=cublas", "--out", str(tmp_path)]) == 2
-    assert "'L00.attn.qvk' is neither an op kind nor a node of this graph (did you mean L00.attn.qkv" \
+    assert "'L00.attn.qvk' is neither an op kind nor a node of this graph, nor a pattern matching one " \
+        "(did you mean L00.attn.qkv" \
         in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

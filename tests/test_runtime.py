@@ -239,9 +239,19 @@ def test_a_cpu_build_applies_and_checks_implementation_choices():
                          ({"linear": "cublass"}, "no implementation 'cublass'"),
                          ({"linear": "cute@4,cublass"}, "no implementation 'cublass'"),
                          ({"linear": "cublas@0-4"}, "spans must be increasing"),
+                         ({"linear": "cute@1-600"}, "'1-600' goes past 512, the largest batch size"),
                          ({"L09.mlp.down": "cute"}, "neither an op kind nor a node")]:
         with pytest.raises(GraphcError, match=message):
             graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, implementations=bad)
+
+
+def test_a_gpu_device_on_a_machine_without_one_is_refused_naming_it():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(GraphcError, match=r"device 'cuda:3' requested but no CUDA GPU is available"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cuda:3", progress=None)
 
 
 def test_a_cpu_build_larger_than_host_memory_is_refused_before_allocating(tmp_path):

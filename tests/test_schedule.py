@@ -235,6 +235,13 @@ def test_a_choice_for_some_batch_sizes_leaves_the_others_as_shipped():
         assert {n: i for n, i in s.implementations().items() if n != "L03.attn.qkv"} == \
             {n: i for n, i in shipped.implementations().items() if n != "L03.attn.qkv"}
     assert build_schedule(g, moved, batch=192).kernel("L03.attn.qkv").edge == "pdl"
+    # A pattern moves every layer's qkv at once; a pattern that matches nothing is refused.
+    every = build_schedule(g, {"L*.attn.qkv": "cute@1-192"}, batch=192)
+    assert {every.kernel(f"L{i:02d}.attn.qkv").impl for i in range(8)} == {"cute"}
+    assert every.kernel("L03.attn.o_proj").impl == "cute" and every.kernel("L03.mlp.down").impl == "cute"
+    with pytest.raises(GraphcError, match=r"'L\*\.attn\.qkvv' is neither an op kind nor a node of this "
+                                          r"graph, nor a pattern matching one"):
+        build_schedule(g, {"L*.attn.qkvv": "cute"}, batch=1)
     # A kind entry with a bare name last decides every size its terms do not.
     kind = {"linear": "cute@1-8,cublas", "lm_head": "cute@1-32"}
     assert set(build_schedule(g, kind, batch=8).implementations()[n] for n in ("L00.attn.qkv", "lm_head")) == {"cute"}

@@ -406,6 +406,31 @@ def test_down_on_the_decode_gemm_at_192_rows_only_reads_its_weight_in_rows():
     check_logits(step(tokens, lens, slots).clone(), reference_call(ref, tokens, lens, slots))
 
 
+def test_implementation_choices_per_batch_size_capture_and_agree_with_the_reference():
+    """graphc/choices.py on a GPU: the decode GEMM for every layer's qkv at 32 rows only (tiny's
+    shapes run cuBLAS there by default), cuBLAS for one down at 4 rows only; each captured size
+    runs what was chosen, the weights cuBLAS reads at some size stay row-major, and both sizes
+    give the reference's logits."""
+    from graphc.kernels.weight_blocks import is_blocked
+
+    step = graphc.build("layer_specs/tiny.yaml", batch_sizes=[4, 32], progress=None,
+                        implementations={"L*.attn.qkv": "cute@32", "L01.mlp.down": "cublas@4"})
+    at4, at32 = step.schedule_for(4).implementations(), step.schedule_for(32).implementations()
+    assert at4["L01.mlp.down"] == "cublas" and at4["L00.mlp.down"] == at4["L01.attn.qkv"] == "cute"
+    assert at32["L01.attn.qkv"] == "cute" and at32["L01.mlp.down"] == at32["L01.attn.o_proj"] == "cublas"
+    weights = step.plan.weights.tensors
+    assert is_blocked(weights["L01.attn.qkv.weight"])           # the decode GEMM's at both sizes
+    assert not is_blocked(weights["L01.mlp.down.weight"]) and not is_blocked(weights["L00.mlp.down.weight"])
+    for b in (4, 32):
+        assert step.stats()[b]["pdl_edges"] == step.stats()[b]["schedule_pdl_edges"]
+        gen = torch.Generator().manual_seed(b)
+        tokens = torch.randint(0, step.spec.model.vocab, (b,), generator=gen).cuda()
+        lens = torch.zeros(b, dtype=torch.int32).cuda()
+        slots = torch.arange(b, dtype=torch.int32).cuda()
+        ref = reference_twin(step)
+        check_logits(step(tokens, lens, slots).clone(), reference_call(ref, tokens, lens, slots))
+
+
 def test_each_plan_captures_its_graphs_on_a_stream_of_its_own():
     """One stream per plan, outside torch's pool, held by each graph captured on it."""
     steps = [graphc.build("layer_specs/tiny.yaml", batch_sizes=[1, 4], progress=None) for _ in range(2)]
