@@ -187,9 +187,10 @@ def format_step_table(rows: list[dict]) -> str:
 
 
 def _choices_in(spec, implementations: dict | None) -> dict | None:
-    """The caller's implementation choices that name an op kind or node of ``spec``'s graph: the
-    plain-residual model has the same nodes except its residual ones (``L03.residual.mlp`` for
-    ``L03.attn_res.mlp``), so the A/B runs the same choices wherever both models have the node."""
+    """The caller's implementation choices whose key is an op kind, a node or a pattern matching
+    a node of ``spec``'s graph: the plain-residual model has the same nodes except its residual
+    ones (``L03.residual.mlp`` for ``L03.attn_res.mlp``), so the A/B runs the same choices
+    wherever both models have the node."""
     from .choices import Choices
     from .graph import build_graph
 

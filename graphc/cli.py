@@ -262,7 +262,7 @@ def cmd_build(args) -> int:
     # an H100/H200).
     chosen = gpu_implementations(graph, torch.device("cuda", torch.cuda.current_device()), impls,
                                  batch_sizes=sizes) if capture else impls
-    if chosen != impls:
+    if chosen != (impls or {}):
         schedule = build_schedule(graph, chosen, not args.no_pdl, batch=sizes[0])
     schedules = {b: schedule if b == sizes[0] else build_schedule(graph, chosen, not args.no_pdl, batch=b)
                  for b in sizes}
