@@ -152,6 +152,7 @@ def variant_implementations(variant: Variant, graph) -> dict | None:
     epilogue: the key of graphc/ops/linear.py's ``DECODE_GEMM_ROWS``, so the build a changed
     table would ship) on the decode GEMM at those sizes and on cuBLAS at every other
     (graphc/choices.py). A variant that sets both for one node is refused: which should win?"""
+    from graphc.choices import Term
     from graphc.ops.linear import LinearOp
     from step_breakdown import role
 
@@ -161,14 +162,14 @@ def variant_implementations(variant: Variant, graph) -> dict | None:
         shapes = {(op.k, op.n, op.epilogue) for node, op in linears.items() if role(node) == key}
         if not shapes:
             raise SystemExit(f"rows.{key}: no linear of role {key!r} in this spec")
-        terms = "+".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+        on_decode_gemm = Term("cute", spans)
         for node, op in linears.items():
             if (op.k, op.n, op.epilogue) not in shapes:
                 continue
             if node in chosen or "linear" in chosen:
                 raise SystemExit(f"variant {variant.name}: rows.{key} and an impl. setting both decide "
                                  f"{node}; give one of them")
-            chosen[node] = f"cute@{terms},cublas"
+            chosen[node] = f"{on_decode_gemm},cublas"
     return chosen or None
 
 

@@ -29,12 +29,16 @@ from .errors import GraphcError
 Span = tuple[int, int]
 
 
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()      # not "１", which int() would also take
+
+
 def parse_spans(text: str) -> tuple[Span, ...]:
     """``"1-96+192"`` -> ((1, 96), (192, 192)); ValueError naming what is wrong."""
     spans: list[Span] = []
     for item in text.split("+"):
         first, dash, last = item.partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()):
+        if not _is_number(first) or (dash and not _is_number(last)):
             raise ValueError(f"{item!r} is not N or N-M")
         spans.append((int(first), int(last) if dash else int(first)))
     for i, (first, last) in enumerate(spans):

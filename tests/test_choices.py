@@ -15,7 +15,7 @@ class FakeOp:
 def test_spans_parse_in_order_and_apart():
     assert parse_spans("1-96+192+224") == ((1, 96), (192, 192), (224, 224))
     assert parse_spans("7") == ((7, 7),)
-    for bad in ("", "0-8", "8-1", "1-8+8", "1-8+9", "1-", "-4", "a", "1-8+", "1--8"):
+    for bad in ("", "0-8", "8-1", "1-8+8", "1-8+9", "1-", "-4", "a", "1-8+", "1--8", "\uff11-8"):
         with pytest.raises(ValueError):
             parse_spans(bad)
 
