@@ -325,10 +325,14 @@ def gpu_implementations(graph, dev: torch.device, implementations: dict | None =
 
 
 def batch_size_list(batch_sizes) -> list[int]:
-    """The distinct captured batch sizes, sorted; refuses anything but integers in 1..MAX_BATCH."""
+    """The distinct captured batch sizes, sorted; refuses anything but integers in 1..MAX_BATCH
+    (a list, a numpy array or a 1-D integer tensor of them)."""
     from collections.abc import Iterable
     from numbers import Integral
 
+    if isinstance(batch_sizes, torch.Tensor) and batch_sizes.dim() == 1 and not (
+            batch_sizes.is_floating_point() or batch_sizes.is_complex() or batch_sizes.dtype == torch.bool):
+        batch_sizes = batch_sizes.tolist()      # its elements are 0-d tensors, not integers
     items = list(batch_sizes) if isinstance(batch_sizes, Iterable) and not isinstance(batch_sizes, str) else []
     if not items or any(not isinstance(b, Integral) or isinstance(b, bool) for b in items):
         raise GraphcError(f"batch_sizes must be a list of integers, e.g. [1, 8, 64]; found {batch_sizes!r}")

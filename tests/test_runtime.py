@@ -141,6 +141,15 @@ def test_build_refuses_batch_sizes_that_are_not_a_list_of_sizes(batch_sizes, mes
         graphc.build("layer_specs/tiny.yaml", batch_sizes, device="cpu", progress=None)
 
 
+def test_batch_sizes_may_be_an_integer_tensor_or_array_as_a_list_may():
+    from graphc.runtime import batch_size_list
+
+    assert batch_size_list(torch.tensor([8, 1, 8])) == batch_size_list(np.array([8, 1])) == [1, 8]
+    for bad in (torch.tensor([1.0, 8.0]), torch.tensor([[1, 8]]), torch.tensor([True])):
+        with pytest.raises(GraphcError, match="list of integers"):
+            batch_size_list(bad)
+
+
 @pytest.mark.parametrize("device", ["gpu", "mps", "tpu:0"])
 def test_build_refuses_a_device_graphc_does_not_run_on(device):
     with pytest.raises(GraphcError, match=f"device {device!r}: graphc runs on 'cuda'"):
