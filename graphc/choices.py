@@ -107,9 +107,6 @@ class Choices:
     def __bool__(self) -> bool:
         return bool(self.terms)
 
-    def keys(self):
-        return self.terms.keys()
-
     def unmatched(self, nodes, kinds) -> list[str]:
         """The keys that are neither a kind nor a node of these, nor a pattern matching a node."""
         return [key for key in self.terms if key not in kinds and key not in nodes

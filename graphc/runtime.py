@@ -21,12 +21,12 @@ from typing import Callable, Sequence
 
 import torch
 
+from .choices import Choices
 from .errors import GraphcError
 from .graph import build_graph, weight_shapes
 from .kernels import weight_blocks
 from .plan import Plan, blocked_weights, check_fits, check_weight_orders, row_major_for_some_sizes
 from .reference import run_kernels
-from .choices import Choices
 from .schedule import Schedule, build_schedule, implementations_for_gpu
 from .spec import Spec, load_spec
 from .weights import Weights, check_finite_weights, random_init_temporary_bytes, read_weights

@@ -254,11 +254,33 @@ def test_a_choice_past_a_kernels_batch_limit_is_refused_at_the_schedule(tiny):
     """The decode GEMM takes at most 256 rows: asking for it at 300 is refused by the schedule,
     before any weight is allocated, not by the kernel's compile; the default there is cuBLAS."""
     with pytest.raises(GraphcError, match=r"L00\.attn\.qkv: implementation 'cute' cannot run this linear: "
-                                          r"the decode GEMM takes at most 256 rows.*at batch 300 choose cublas"):
+                                          r"the decode GEMM refuses it: M=300 out of range: 1 <= M <= 256 "
+                                          r"\(the captured batch size\); choose cublas$"):
         build_schedule(tiny, {"linear": "cute@1-300"}, batch=300)
     assert build_schedule(tiny, {"linear": "cute@1-256"}, batch=300).implementation_summary()["linear"] == "cublas"
     with pytest.raises(GraphcError, match=r"no implementation 'cutee' of linear.*did you mean cute"):
         build_schedule(tiny, {"linear": "cutee@300"}, batch=1)     # a name is checked at every size
+
+
+def test_a_linear_shape_the_decode_gemm_refuses_gets_cublas_by_default(tmp_path):
+    """The spec holds heads x head_dim to 64 columns but not qkv's N, (heads + 2 kv_heads) x
+    head_dim: at head_dim 8 that is 96, which the decode GEMM refuses (kernels/gemm_contract.py).
+    Such a linear gets cuBLAS even where the decode GEMM is the default, and asking for it is
+    refused by the schedule, naming the rule, not by the kernel's compile on a GPU."""
+    from graphc.ops.linear import DECODE_GEMM_MAX_BATCH, LinearOp
+
+    path = tmp_path / "head_dim_8.yaml"
+    path.write_text(open("layer_specs/tiny.yaml").read().replace("head_dim: 128", "head_dim: 8"))
+    graph = build_graph(load_spec(path))
+    at1 = build_schedule(graph, batch=1)
+    assert at1.kernel("L00.attn.qkv").impl == "cublas"
+    assert graph.nodes["L00.attn.qkv"]["op"].unsupported("cute", DECODE_GEMM_MAX_BATCH) is not None
+    if LinearOp.implementations["cute"].available():
+        assert at1.kernel("L00.attn.o_proj").impl == "cute"      # K = heads x head_dim = 64 fits
+    with pytest.raises(GraphcError, match=r"L00\.attn\.qkv: implementation 'cute' cannot run this linear: "
+                                          r"the decode GEMM refuses it: N=96 unsupported: N must be a "
+                                          r"positive multiple of 64; choose cublas$"):
+        build_schedule(graph, {"linear": "cute"}, batch=1)
 
 
 def test_unknown_implementation_key_is_refused(tiny):
@@ -363,11 +385,12 @@ def test_attention_kernels_only_get_head_dims_they_compile(tmp_path, head_dim, d
     path = tmp_path / "odd_heads.yaml"
     path.write_text(text)
     graph = build_graph(load_spec(path))
+    # (The linears keep their defaults: at head_dim 8 qkv's N is 96, which the decode GEMM refuses.)
     for batch in (1, 8):
-        assert build_schedule(graph, GEMM, batch=batch).kernel("L01.attn.attention").impl == default
+        assert build_schedule(graph, {"attn_res": "cute"}, batch=batch).kernel("L01.attn.attention").impl == default
     with pytest.raises(GraphcError, match=r"L00\.attn\.attention: implementation 'tma' cannot run .*"
                                           rf"head_dim 128 or 256.*found head_dim {head_dim}"):
-        build_schedule(graph, {**GEMM, "decode_attention": "tma"})
+        build_schedule(graph, {"attn_res": "cute", "decode_attention": "tma"})
     if default == "torch":
         with pytest.raises(GraphcError, match=rf"'triton' cannot run .*power-of-two head_dim.*found {head_dim}"):
             build_schedule(graph, {"L01.attn.attention": "triton"})

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import GraphcError
-from ..kernels.gemm_contract import MAX_M
+from ..kernels.gemm_contract import check_shape
 from ..kernels.weight_blocks import as_float_matrix, is_blocked
 from .base import LIBRARY_KERNEL, Implementation, Op, PdlTraits, write_output
 
@@ -169,11 +169,14 @@ class LinearOp(Op):
         return {"weight": (self.weight_name or f"{self.name}.weight", (self.n, self.k))}
 
     def unsupported(self, impl: str, batch: int | None = None) -> str | None:
-        # The spec already holds K and N to whole 64-column tiles (graphc/spec.py), the decode
-        # GEMM's alignment; what is left is its largest batch.
-        if impl == "cute" and batch is not None and batch > MAX_M:
-            return (f"the decode GEMM takes at most {MAX_M} rows (kernels/gemm_contract.py); "
-                    f"at batch {batch} choose cublas")
+        # The decode GEMM's own contract (kernels/gemm_contract.py: its largest batch, K and N
+        # alignment, epilogues), checked at one row where no batch size is known.
+        if impl != "cute":
+            return None
+        try:
+            check_shape(1 if batch is None else batch, self.k, self.n, self.epilogue)
+        except ValueError as e:
+            return f"the decode GEMM refuses it: {e}; choose cublas"
         return None
 
     def decode_gemm_default(self, batch: int) -> bool:
