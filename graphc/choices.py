@@ -52,6 +52,10 @@ def covers(spans: tuple[Span, ...], batch: int) -> bool:
     return any(first <= batch <= last for first, last in spans)
 
 
+def _overlap(a: tuple[Span, ...], b: tuple[Span, ...]) -> bool:
+    return any(a0 <= b1 and b0 <= a1 for a0, a1 in a for b0, b1 in b)
+
+
 @dataclass(frozen=True)
 class Term:
     """One implementation at some captured batch sizes (``spans``), or at every size (None)."""
@@ -85,6 +89,10 @@ def parse_choice(key: str, value: str, max_batch: int | None = None) -> tuple[Te
             term = Term(name, parse_spans(spans) if at else None)
             if max_batch is not None and term.spans and term.spans[-1][1] > max_batch:
                 raise ValueError(f"{spans!r} goes past {max_batch}, the largest batch size a build captures")
+            overlap = next((t for t in terms if t.spans and term.spans and _overlap(t.spans, term.spans)), None)
+            if overlap is not None:
+                raise ValueError(f"{item.strip()!r} covers sizes {str(overlap)!r} already takes, and the first "
+                                 f"term that covers a size decides it")
             terms.append(term)
         except ValueError as e:
             raise GraphcError(f"implementations[{key!r}] = {value!r}: {e}. Expected NAME, or "
@@ -126,6 +134,12 @@ class Choices:
         """The implementation the caller chose for ``op`` at this captured batch size, or None
         where the default decides."""
         return next((t.name for t in self._terms_for(op) if t.applies(batch)), None)
+
+    def idle(self, sizes) -> list[str]:
+        """``key=TERM`` for each term whose spans cover none of these batch sizes: it decides
+        nothing in a build that captures only them (worth saying: a mistyped span looks so)."""
+        return [f"{key}={term}" for key, terms in self.terms.items() for term in terms
+                if term.spans is not None and not any(covers(term.spans, b) for b in sizes)]
 
     def everywhere(self, op) -> bool:
         """Whether the caller decides ``op`` at every batch size (a bare name reached)."""

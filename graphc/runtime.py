@@ -23,6 +23,7 @@ import torch
 
 from .choices import Choices
 from .errors import GraphcError
+from .files import check_writable, replace_file
 from .graph import build_graph, weight_shapes
 from .kernels import weight_blocks
 from .plan import Plan, blocked_weights, check_fits, check_weight_orders, row_major_for_some_sizes
@@ -157,6 +158,8 @@ class DecodeStep:
     step = __call__
 
     def _check_inputs(self, tokens, seq_lens, cache_slots, validate) -> int:
+        if not isinstance(validate, bool):      # "no" would read as True and validate
+            raise GraphcError(f"validate: expected True or False, found {validate!r:.60}")
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
             raise GraphcError("tokens must be a 1-D tensor of token ids")
         b = tokens.shape[0]
@@ -274,12 +277,24 @@ class DecodeStep:
         over ``context`` tokens (default min(1024, max_context)) in slots 0..batch-1, whose KV
         entries at that position are overwritten: profile before serving, or ``reset()``.
         """
+        from numbers import Integral
+
+        for name, value, low in (("replays", replays, 1), ("repeat", repeat, 1), ("context", context, 1)):
+            if name == "context" and value is None:
+                continue
+            if not isinstance(value, Integral) or isinstance(value, bool) or value < low:
+                raise GraphcError(f"profile: {name} must be an integer >= {low}, found {value!r:.60}")
+        max_context = self.spec.model.max_context
+        if context is not None and context > max_context:
+            raise GraphcError(f"profile: context {context} is past the model's max_context {max_context}")
+        if path is not None:
+            check_writable(path, "profile")       # before the timing, not after
         if self.device.type != "cuda":
             raise GraphcError("profile needs a CUDA device")
         from .bench import time_replays
 
         size = self.padded_size(batch)
-        ctx = min(context or 1024, self.spec.model.max_context)
+        ctx = min(context or 1024, max_context)
         self.plan.view("seq_lens", size).fill_(ctx - 1)
         self.plan.view("cache_slots", size).copy_(torch.arange(size, device=self.device))
         rows = []
@@ -301,7 +316,8 @@ class DecodeStep:
                   "method": f"each kernel alone, {repeat}x in its own CUDA graph (inputs L2-warm after the first)",
                   "implementations": schedule.implementations(), "kernels": rows}
         if path is not None:
-            Path(path).write_text(json.dumps(result, indent=1))
+            text = json.dumps(result, indent=1)
+            replace_file(path, lambda tmp: tmp.write_text(text), "profile")
         return result
 
 
@@ -327,13 +343,13 @@ def gpu_implementations(graph, dev: torch.device, implementations: dict | None =
 def batch_size_list(batch_sizes) -> list[int]:
     """The distinct captured batch sizes, sorted; refuses anything but integers in 1..MAX_BATCH
     (a list, a numpy array or a 1-D integer tensor of them)."""
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
     from numbers import Integral
 
     if isinstance(batch_sizes, torch.Tensor) and batch_sizes.dim() == 1 and not (
             batch_sizes.is_floating_point() or batch_sizes.is_complex() or batch_sizes.dtype == torch.bool):
         batch_sizes = batch_sizes.tolist()      # its elements are 0-d tensors, not integers
-    items = list(batch_sizes) if isinstance(batch_sizes, Iterable) and not isinstance(batch_sizes, str) else []
+    items = list(batch_sizes) if isinstance(batch_sizes, Iterable) and not isinstance(batch_sizes, (str, Mapping)) else []
     if not items or any(not isinstance(b, Integral) or isinstance(b, bool) for b in items):
         raise GraphcError(f"batch_sizes must be a list of integers, e.g. [1, 8, 64]; found {batch_sizes!r}")
     sizes = sorted({int(b) for b in items})
@@ -493,6 +509,11 @@ def build(spec: Spec | str | os.PathLike, batch_sizes: Sequence[int] = (1, 2, 4,
     shapes = weight_shapes(graph)
     if isinstance(weights, Weights):
         weights.check(shapes, dev)
+        weights.check_values()          # as a weights file's values are checked when it loads
+    idle = Choices(implementations).idle(sizes)
+    if idle:
+        progress(f"implementations: {', '.join(idle)} cover{'s' if len(idle) == 1 else ''} none of the batch "
+                 f"sizes built ({', '.join(map(str, sizes))}), so decide{'s' if len(idle) == 1 else ''} nothing here")
     # Refuse now, naming what takes the memory, rather than fail allocating mid-build.
     check_memory(schedules[sizes[-1]], sizes[-1], dev, weights)
     # Ordinary tensors even when built under torch.inference_mode(): its tensors could never
@@ -530,13 +551,29 @@ def _check_build_arguments(weights, implementations, use_pdl, seed, progress, co
             raise GraphcError(f"{name}: expected True or False, found {value!r:.60}")
     if not (is_int(seed) and 0 <= seed <= MAX_SEED):
         raise GraphcError(f"seed: expected an integer in 0..2**63-1, found {seed!r:.60}")
-    if not (progress is None or callable(progress)):
+    if not (progress is None or (callable(progress) and _takes_one_argument(progress))):
         raise GraphcError(f"progress: expected a callable taking one line, or None; found {progress!r:.60}")
     if not (compile_jobs is None or (is_int(compile_jobs) and compile_jobs >= 0)):
         raise GraphcError(f"compile_jobs: expected None or a count of processes >= 0, found {compile_jobs!r:.60}")
     if not (is_int(block_rows) and block_rows in weight_blocks.ROW_BLOCKS):
         raise GraphcError(f"block_rows={block_rows!r} unsupported: rows per weight block are "
                           f"{' or '.join(map(str, weight_blocks.ROW_BLOCKS))}")
+
+
+def _takes_one_argument(f) -> bool:
+    """Whether ``f("line")`` binds to ``f``'s signature (True where Python cannot tell, as for
+    some builtins)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(f)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind("line")
+    except TypeError:
+        return False
+    return True
 
 
 def _allocate_and_capture(schedules: dict[int, Schedule], shapes, dev: torch.device, weights, seed: int,

@@ -60,6 +60,7 @@ WIDTH_MULTIPLE = 64        # hidden, intermediate, heads x head_dim, vocab: whol
 HEAD_DIM_MULTIPLE = 8      # one 16-byte bf16 vector
 MAX_HEAD_DIM = 256
 MAX_SPEC_BYTES = 16 * 2**20  # a spec is a page of YAML; a bigger file is not one
+MAX_CONTEXT = 2**31 - 1      # token positions and sequence lengths are int32 on the GPU
 MAX_LAYERS = 1024          # guards against `repeat: 1000000000` expanding into memory
 FINGERPRINT_VERSION = "graphc-spec/1"
 
@@ -338,6 +339,8 @@ def load_spec(path: str | os.PathLike) -> Spec:
                           f"{type(path).__name__} {path!r:.60}")
     name = os.fspath(path)
     name = name.decode() if isinstance(name, bytes) else name
+    if not name:
+        raise GraphcError("a spec is the path of a YAML file, found an empty path")
     if "\n" in name:
         raise GraphcError("a spec is the path of a YAML file, found text of several lines "
                           "(graphc.spec.parse_spec(text) reads a spec given as text)")
@@ -696,7 +699,10 @@ class _Parser:
                 self.fail(dtype_node, "model.dtype", "bfloat16 (the only supported dtype)", f"'{dtype}'")
 
         rms_eps = self.positive_float(e["rms_eps"][1], "model.rms_eps")
-        max_context = self.positive_int(e["max_context"][1], "model.max_context", "a positive integer")
+        context_node = e["max_context"][1]
+        max_context = self.positive_int(context_node, "model.max_context", "a positive integer")
+        if max_context > MAX_CONTEXT:
+            self.fail(context_node, "model.max_context", f"at most {MAX_CONTEXT} (positions are int32)", str(max_context))
         return ModelSpec(name, hidden, vocab, dtype, rms_eps, max_context)
 
     RESIDUAL_FIELDS = {"kind": _one_of(RESIDUAL_KINDS), "block_size": "a positive integer"}

@@ -19,6 +19,7 @@ from typing import Iterator, Mapping
 import torch
 
 from .errors import GraphcError
+from .files import replace_file
 from .kernels import weight_blocks
 
 
@@ -70,8 +71,15 @@ class Weights:
 
     def check(self, shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> None:
         """Refuse these weights for a model of ``shapes`` on ``device`` unless every weight is
-        there, bf16, dense and contiguous on that device, with its shape: a kernel would
-        otherwise read them wrongly or fail only at the step's first call."""
+        there, bf16, dense and contiguous on that device, with its shape, and nothing else is:
+        a kernel would otherwise read them wrongly or fail only at the step's first call, and
+        weights the model does not have mean another model's (as a weights file's extra names
+        do, ``_checked_file``)."""
+        extra = sorted(set(self.tensors) - set(shapes))
+        if extra:
+            raise GraphcError(f"weights ({self.origin}): {len(extra)} not in the spec ({_few(extra)}), so they "
+                              f"are probably another model's (graphc build SPEC --write-weight-names FILE "
+                              f"lists the spec's)")
         for name, shape in shapes.items():
             t = self.tensors.get(name)
             if t is None:
@@ -128,10 +136,20 @@ class Weights:
         return cls(dict(read_weights(path, shapes, device)), str(path))
 
     def save(self, path: str | Path) -> None:
+        """Write every weight to a safetensors file at ``path`` (replacing a file there, whatever
+        it holds, but only once the whole file is written: graphc/files.py)."""
         from safetensors.torch import save_file
 
         # Files hold [N, K]: blocks are put back in rows on the host (no GPU copy of a weight).
-        save_file({k: weight_blocks.as_matrix(v.cpu()).contiguous() for k, v in self.tensors.items()}, str(path))
+        tensors = {k: weight_blocks.as_matrix(v.cpu()).contiguous() for k, v in self.tensors.items()}
+        replace_file(path, lambda tmp: save_file(tensors, str(tmp)), "weights file")
+
+    def check_values(self) -> None:
+        """Refuse these weights if any value is NaN or Inf, as a weights file is refused when it
+        loads: such a weight would only show up as NaN logits. Each tensor is tested where it is
+        (one pass over its bits, a chunk at a time)."""
+        for name, t in self.tensors.items():
+            _refuse_non_finite(f"weights ({self.origin})", name, t)
 
 
 # safetensors' dtype names -> torch's, for error messages.
@@ -210,6 +228,8 @@ def _checked_file(path, shapes, device):
     if not isinstance(path, (str, os.PathLike)):
         raise GraphcError(f"weights: expected the path of a .safetensors file, found "
                           f"{type(path).__name__} {path!r:.60}")
+    if not os.fspath(path):
+        raise GraphcError("weights: an empty path (give the .safetensors file)")
     path = Path(path)
     if path.is_dir():
         raise GraphcError(f"{path}: a folder, not a weights file (give the .safetensors file)")

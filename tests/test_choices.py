@@ -35,6 +35,22 @@ def test_a_value_is_a_name_or_terms_with_an_optional_bare_name_last():
         parse_choice("linear", "cute@1-")
 
 
+def test_terms_of_one_choice_may_not_overlap():
+    with pytest.raises(GraphcError, match=r"implementations\['linear'\] = 'cute@1-8,cublas@1-8': 'cublas@1-8' "
+                                          r"covers sizes 'cute@1-8' already takes"):
+        parse_choice("linear", "cute@1-8,cublas@1-8")
+    with pytest.raises(GraphcError, match="'cublas@64-200' covers sizes 'cute@1-16\\+128' already takes"):
+        parse_choice("linear", "cute@1-16+128,cublas@64-200")
+    assert len(parse_choice("linear", "cute@1-16+128,cublas@17-127+129,torch")) == 3
+
+
+def test_idle_names_the_terms_that_cover_no_built_size():
+    choices = Choices({"linear": "cute@16+300,cublas", "L*.attn.qkv": "cute@1-4"})
+    assert choices.idle([1, 8]) == ["linear=cute@16+300"]
+    assert choices.idle([1, 16]) == []
+    assert Choices({"linear": "cublas"}).idle([1]) == []
+
+
 def test_the_node_entry_then_the_kind_entry_then_the_default_decide():
     qkv, down = FakeOp("L03.attn.qkv", "linear"), FakeOp("L03.mlp.down", "linear")
     choices = Choices({"L03.attn.qkv": "cute@1-192", "linear": "cute@1-8,cublas"})

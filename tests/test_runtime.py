@@ -426,6 +426,102 @@ def test_a_weights_object_the_kernels_cannot_read_is_refused_by_the_build(step, 
         graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, weights=weights)
 
 
+def test_a_weights_object_with_other_weights_or_nan_values_is_refused_as_a_file_is(step):
+    """A Weights of another model (extra names) or holding a NaN is refused by the build, as the
+    same tensors in a file are, not run into NaN logits or silently trimmed."""
+    import torch
+
+    weights = _weights_like(step, lambda n, t: t.clone())
+    weights.tensors["L04.attn.qkv.weight"] = weights.tensors["L00.attn.qkv.weight"]
+    with pytest.raises(GraphcError, match=r"weights \(changed\): 1 not in the spec \(L04.attn.qkv.weight\), "
+                                          r"so they are probably another model's"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, weights=weights)
+    del weights.tensors["L04.attn.qkv.weight"]
+    weights.tensors["L01.mlp.down.weight"][3, 5] = float("nan")
+    with pytest.raises(GraphcError, match=r"weights \(changed\): L01.mlp.down.weight: 1 value NaN or Inf "
+                                          r"\(the first at index \[3, 5\], nan\)"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, weights=weights)
+    weights.tensors["L01.mlp.down.weight"][3, 5] = 0.0
+    ok = graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, weights=weights)
+    assert torch.isfinite(ok(torch.tensor([3]), torch.tensor([0])).float()).all()
+
+
+def test_weights_save_refuses_a_missing_folder_or_a_folder_and_replaces_only_when_whole(step, tmp_path, monkeypatch):
+    from graphc.weights import Weights, read_weights
+
+    with pytest.raises(GraphcError, match=r"weights file .*nodir/w.safetensors: the folder .*nodir does not exist"):
+        step.plan.weights.save(tmp_path / "nodir" / "w.safetensors")
+    with pytest.raises(GraphcError, match=r"weights file .*: not a regular file"):
+        step.plan.weights.save(tmp_path)
+    target = tmp_path / "w.safetensors"
+    target.write_text("old")
+    import safetensors.torch
+
+    def fail(tensors, filename):
+        open(filename, "w").write("half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    with pytest.raises(GraphcError, match=r"cannot write it \(No space left on device\); nothing was written or replaced"):
+        step.plan.weights.save(target)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+    monkeypatch.undo()
+    step.plan.weights.save(target)
+    shapes = {n: step.plan.weights.shape(n) for n in step.plan.weights.tensors}
+    loaded = dict(read_weights(target, shapes))
+    assert all(loaded[n].equal(step.plan.weights.matrix(n)) for n in shapes)
+    assert isinstance(step.plan.weights, Weights)
+
+
+@pytest.mark.parametrize("progress", [lambda: None, lambda a, b: None])
+def test_a_progress_callable_that_cannot_take_one_line_is_refused_up_front(progress):
+    with pytest.raises(GraphcError, match="progress: expected a callable taking one line"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=progress)
+
+
+def test_a_term_that_covers_no_built_size_is_named_in_the_progress_output():
+    lines = []
+    graphc.build("layer_specs/tiny.yaml", [1, 8], device="cpu", progress=lines.append,
+                 implementations={"linear": "cute@16,cublas", "L*.attn.qkv": "cublas@1-4"})
+    assert "implementations: linear=cute@16 covers none of the batch sizes built (1, 8), so decides nothing here" in lines
+    assert not any("cublas@1-4" in line for line in lines)
+
+
+def test_step_refuses_a_validate_that_is_not_a_bool(step):
+    import torch
+
+    for bad in ("no", 0, None):
+        with pytest.raises(GraphcError, match="validate: expected True or False"):
+            step(torch.tensor([3]), torch.tensor([0]), validate=bad)
+
+
+def test_profile_refuses_bad_arguments_before_it_times_anything(step, tmp_path):
+    for kwargs, message in [({"context": 0}, "context must be an integer >= 1, found 0"),
+                            ({"context": -5}, "context must be an integer >= 1"),
+                            ({"context": 10**6}, "context 1000000 is past the model's max_context"),
+                            ({"replays": 0}, "replays must be an integer >= 1"),
+                            ({"repeat": 2.5}, "repeat must be an integer >= 1"),
+                            ({"path": tmp_path / "no" / "p.json"}, "the folder .* does not exist"),
+                            ({"path": tmp_path}, "not a regular file")]:
+        with pytest.raises(GraphcError, match=message):
+            step.profile(1, **kwargs)
+    with pytest.raises(GraphcError, match="profile needs a CUDA device"):
+        step.profile(1, tmp_path / "p.json", context=16, replays=3, repeat=2)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_mapping_is_not_a_list_of_batch_sizes():
+    with pytest.raises(GraphcError, match="batch_sizes must be a list of integers"):
+        graphc.build("layer_specs/tiny.yaml", {1: "a", 8: "b"}, device="cpu", progress=None)
+
+
+def test_empty_paths_are_named_as_empty():
+    with pytest.raises(GraphcError, match="a spec is the path of a YAML file, found an empty path"):
+        graphc.build("", [1], device="cpu", progress=None)
+    with pytest.raises(GraphcError, match=r"weights: an empty path \(give the .safetensors file\)"):
+        graphc.build("layer_specs/tiny.yaml", [1], device="cpu", progress=None, weights="")
+
+
 def test_an_unknown_weight_name_is_a_graphc_error_with_suggestions(step):
     with pytest.raises(GraphcError, match=r"no weight named 'L00.attn.qkv.weigth'; did you mean L00.attn.qkv.weight"):
         step.plan.weights.matrix("L00.attn.qkv.weigth")

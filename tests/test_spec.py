@@ -352,6 +352,8 @@ MISTAKES = [
     ("rms_eps_negative", edit("rms_eps: 1.0e-6", "rms_eps: -1.0e-6"), "model.rms_eps", 6, ["positive"]),
     ("rms_eps_nan", edit("rms_eps: 1.0e-6", "rms_eps: .nan"), "model.rms_eps", 6, ["finite"]),
     ("max_context_zero", edit("max_context: 256", "max_context: 0"), "model.max_context", 7, ["positive"]),
+    ("max_context_past_int32", edit("max_context: 256", "max_context: 2147483648"), "model.max_context", 7,
+     ["at most 2147483647 (positions are int32)", "2147483648"]),
     ("model_name", edit("name: t", "name: 'my model'"), "model.name", 2, ["'my model'"]),
     ("model_not_mapping", "model: tiny\nresidual:" + BASE.split("residual:", 1)[1], "model", 1,
      ["a mapping", "'tiny' (a string)"]),
