@@ -108,6 +108,9 @@ TUNING_CASES = [
     (3, 2816, 1024, None, dict(wide=1, batch_tile=128, n_tile=64)),
     (256, 8192, 7168, None, dict(wide=1, stages=3)),
     (256, 8192, 7168, None, dict(wide=1, cluster=1)),  # no W multicast in pairs of CTAs
+    (256, 8192, 7168, None, dict(wide=1, static_stages=1)),   # stages constant: 21 rounds of 6 + 2 (§55)
+    (256, 7168, 10240, None, dict(wide=1, static_stages=1, w_blocked=1)),   # qkv's 128 x 160 on blocks, 22 x 5 + 2
+    (200, 512, 2048, None, dict(wide=1, n_tile=32, static_stages=1, stages=10)),    # fewer k-blocks than stages: no round
     (200, 1024, 4096, None, dict(wide=1, n_tile=16, cluster=1)),
     (160, 8192, 7168, None, dict(wide=1)),            # x boxes moved back from past row M
     (120, 7168, 10240, None, dict()),                 # ... in one 128-row batch tile (the default)
