@@ -1195,3 +1195,36 @@ def test_consumer_regs_hold_256_row_tiles_without_spills(tmp_path):
     assert "0 bytes spill stores" in report, report
     for code in ("C7507", "C7511", "C7514"):
         assert code not in report, report
+
+
+# ------------------------------------------------------------------------------------------------
+# static_stages: the whole-K tiles' k-block loop with each stage a constant (bench/gemm_notes.md §55).
+# ------------------------------------------------------------------------------------------------
+
+
+def test_static_stages_only_where_each_cta_computes_one_tile():
+    cfg = gemm.plan(256, 8192, 7168, None, 132, static_stages=1)
+    assert isinstance(cfg, WideGemmConfig) and cfg.static_stages == 1 and cfg.tiles <= cfg.ctas
+    assert WideGemmConfig.from_key(cfg.key()).key() == cfg.key()
+    assert gemm.plan(256, 8192, 7168, None, 132).static_stages == 0
+    with pytest.raises(ValueError, match=r"static_stages=1 unsupported here \(0, or 1 where each CTA computes "
+                                         r"one tile \(640 tiles, 132 CTAs\)\)"):
+        gemm.plan(128, 7168, 163840, None, 132, wide=1, static_stages=1)
+
+
+def test_static_stages_ptx_folds_the_stage_arithmetic():
+    """With the stage a constant the loop body is the barrier wait, four wgmma, the waits and the
+    releases: one unrolled k-block per stage of a round plus the k_blocks % stages left over, no
+    per-k-block modulo; the same number of wgmma per k-block, the same PDL placement."""
+    static = _wide_ptx(gemm.plan(256, 8192, 7168, None, 132, static_stages=1))
+    dynamic = _wide_ptx(gemm.plan(256, 8192, 7168, None, 132))
+    cfg = gemm.plan(256, 8192, 7168, None, 132)
+    unrolled = cfg.stages + cfg.k_blocks % cfg.stages
+    k_steps = 4                                     # 64 of K in wgmma's k16 steps
+    assert static.count("wgmma.mma_async") == unrolled * k_steps
+    assert dynamic.count("wgmma.mma_async") == k_steps
+    assert static.count("mbarrier.try_wait.parity") - dynamic.count("mbarrier.try_wait.parity") == unrolled - 1
+    # The release's (i - 1) % stages: a 16-bit multiply in the dynamic loop, none unrolled.
+    assert "mul.lo.s16" in dynamic and "mul.lo.s16" not in static
+    for ptx in (static, dynamic):
+        assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
