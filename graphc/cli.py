@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .errors import GraphcError, did_you_mean      # SpecError too (its subclass): the spec module loads torch
+from .files import check_writable, staging_name
 
 BUILD_OUTPUTS = ("graph.json", "schedule.txt", "graph.svg", "schedule.html")
 SMALL_MODEL_BYTES = 512 << 20     # reference step runs by default below this weight size
@@ -140,7 +141,7 @@ def _writable_folder(path: Path, what: str) -> list[Path]:
     """Create the folder ``path`` (and its parents) for ``what``, or refuse naming why; a
     refusal creates nothing. Returns the folders it created, deepest first, for
     ``_write_all`` to remove again if the outputs cannot be written."""
-    _check_writable(path, what, folder=True)
+    check_writable(path, what, folder=True)
     made = []
     for folder in (path, *path.parents):
         if folder.exists():
@@ -167,28 +168,7 @@ def _writable_file(path: Path, what: str) -> None:
     """Check, before any work and without creating anything, that ``path`` can be written as a
     file for ``what`` (an existing file overwritten, or a new one in folders that exist or can
     be created), or refuse naming why."""
-    _check_writable(path, what, folder=False)
-
-
-def _check_writable(path: Path, what: str, folder: bool) -> None:
-    if path.exists():
-        if path.is_dir() != folder:
-            raise GraphcError(f"{what} {path}: " + ("that is a folder; give a file name" if not folder
-                                                    else "a file of that name is in the way" if path.is_file()
-                                                    else "a device, a pipe or a socket, not a folder"))
-        if not folder and not path.is_file():
-            # An output is renamed into place, which would replace a device or a pipe with a
-            # regular file (as root, /dev/null itself).
-            raise GraphcError(f"{what} {path}: not a regular file (a device, a pipe or a socket); "
-                              f"give a file name")
-        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
-            raise GraphcError(f"{what} {path}: this user cannot " + ("write into it" if folder else "overwrite it"))
-        return
-    existing = next(p for p in path.absolute().parents if p.exists())
-    if not existing.is_dir():
-        raise GraphcError(f"{what} {path}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise GraphcError(f"{what} {path}: this user cannot write into {existing}")
+    check_writable(path, what, folder=False)
 
 
 def _refuse_overwriting_inputs(path: Path, what: str, others: dict) -> None:
@@ -208,7 +188,7 @@ def _write_all(files: dict[Path, str], made: list[Path] = ()) -> None:
     staged, done = [], False
     try:
         for path, text in files.items():
-            tmp = path.with_name(f".{path.name}.graphc-{os.getpid()}.partial")
+            tmp = staging_name(path)
             staged.append(tmp)
             try:
                 tmp.write_text(text, encoding="utf-8")
@@ -291,7 +271,7 @@ def cmd_build(args) -> int:
         check_finite_weights(args.weights, weight_shapes(graph))
     out = Path(args.out or Path("out") / Path(args.spec).stem)
     inputs = {args.spec: "the spec", args.weights: "the --weights file"}
-    _check_writable(out, "--out", folder=True)
+    check_writable(out, "--out", folder=True)
     for name in BUILD_OUTPUTS:      # each output replaces only a file, and never an input
         _writable_file(out / name, "--out")
         _refuse_overwriting_inputs(out / name, "--out", inputs)
@@ -562,7 +542,7 @@ def cmd_bench(args) -> int:
     if args.out:
         _writable_file(Path(args.out), "--out")
     else:
-        _check_writable(Path("bench/results"), "results folder", folder=True)
+        check_writable(Path("bench/results"), "results folder", folder=True)
     run_bench(args.spec, args.batch_sizes, context=context, out=args.out,
               weights=args.weights, compare=not args.quick, progress=_progress, say=_say,
               power=not args.no_power, implementations=_implementations(args))
@@ -597,7 +577,7 @@ def cmd_compile(args) -> int:
     from .schedule import build_schedule
 
     cache_dir = default_cache_dir()
-    _check_writable(cache_dir, "kernel cache (GRAPHC_CACHE_DIR)", folder=True)
+    check_writable(cache_dir, "kernel cache (GRAPHC_CACHE_DIR)", folder=True)
     sizes = args.batch_sizes
     impls = _implementations(args)
     spec, graph, _ = _front(args.spec, impls, batch=sizes[0])

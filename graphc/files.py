@@ -1,7 +1,9 @@
-"""Writing one output file so that a failure replaces nothing: ``replace_file``.
+"""Output files: where one may be written, and writing it so that a failure replaces nothing.
 
-The CLI stages several outputs at once (graphc/cli.py, ``_write_all``); the Python API writes
-one file at a time (``Weights.save``, ``DecodeStep.profile``) through this.
+The CLI checks its outputs with ``check_writable`` before any work and stages several at once
+under ``staging_name`` (graphc/cli.py, ``_write_all``); the Python API writes one file at a
+time through ``replace_file`` (``Weights.save``, ``DecodeStep.profile``). No torch here: the
+CLI imports this before anything heavy.
 """
 
 from __future__ import annotations
@@ -13,27 +15,56 @@ from typing import Callable
 from .errors import GraphcError
 
 
-def check_writable(path, what: str) -> Path:
-    """``path`` as a Path once it could be written by ``replace_file``: a GraphcError naming
-    ``what`` for an empty or non-path value, a folder that does not exist, and a path that is a
-    folder, a device or a pipe. For callers that check before long work (``DecodeStep.profile``)."""
+def staging_name(path: Path) -> Path:
+    """The temporary name beside ``path`` that an output is written under before it is renamed
+    onto ``path``."""
+    return path.with_name(f".{path.name}.graphc-{os.getpid()}.partial")
+
+
+def check_writable(path: Path, what: str, folder: bool = False) -> None:
+    """Refuse, naming why, a ``path`` that cannot be written as a file (``folder``: created or
+    written into as a folder) for ``what``: the wrong kind of thing there, no permission, or a
+    file where a folder on the way must be. Folders on the way that do not exist yet pass (the
+    CLI creates them)."""
+    if path.exists():
+        if path.is_dir() != folder:
+            raise GraphcError(f"{what} {path}: " + ("that is a folder; give a file name" if not folder
+                                                    else "a file of that name is in the way" if path.is_file()
+                                                    else "a device, a pipe or a socket, not a folder"))
+        if not folder and not path.is_file():
+            # An output is renamed into place, which would replace a device or a pipe with a
+            # regular file (as root, /dev/null itself).
+            raise GraphcError(f"{what} {path}: not a regular file (a device, a pipe or a socket); "
+                              f"give a file name")
+        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
+            raise GraphcError(f"{what} {path}: this user cannot " + ("write into it" if folder else "overwrite it"))
+        return
+    existing = next(p for p in path.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise GraphcError(f"{what} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise GraphcError(f"{what} {path}: this user cannot write into {existing}")
+
+
+def output_file(path, what: str) -> Path:
+    """``path`` as a Path once ``replace_file`` could write it there: a path (not empty) whose
+    folder exists (the Python API creates none) and that ``check_writable`` accepts. For callers
+    that check before long work (``DecodeStep.profile``)."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise GraphcError(f"{what}: expected the path of a file to write, found {path!r:.60}")
     path = Path(path)
     if not path.parent.is_dir():
         raise GraphcError(f"{what} {path}: the folder {path.parent} does not exist")
-    if path.exists() and not path.is_file():
-        raise GraphcError(f"{what} {path}: not a regular file (a folder, a device or a pipe); nothing was written")
+    check_writable(path, what)
     return path
 
 
 def replace_file(path: str | os.PathLike, write: Callable[[Path], None], what: str) -> Path:
-    """Call ``write(tmp)`` on a temporary name beside ``path``, then rename it onto ``path``:
-    a write that fails half-way (a full disk) leaves no truncated file and replaces nothing.
-    Refuses, as a GraphcError naming ``what`` and the path, a folder that does not exist and
-    a path that is a folder, a device or a pipe."""
-    path = check_writable(path, what)
-    tmp = path.with_name(f".{path.name}.graphc-{os.getpid()}.partial")
+    """Call ``write(tmp)`` on ``staging_name(path)``, then rename it onto ``path``: a write that
+    fails half-way (a full disk) leaves no truncated file and replaces nothing. Refuses first what
+    ``output_file`` refuses."""
+    path = output_file(path, what)
+    tmp = staging_name(path)
     try:
         write(tmp)
         os.replace(tmp, path)

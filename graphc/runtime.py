@@ -23,7 +23,7 @@ import torch
 
 from .choices import Choices
 from .errors import GraphcError
-from .files import check_writable, replace_file
+from .files import output_file, replace_file
 from .graph import build_graph, weight_shapes
 from .kernels import weight_blocks
 from .plan import Plan, blocked_weights, check_fits, check_weight_orders, row_major_for_some_sizes
@@ -279,16 +279,15 @@ class DecodeStep:
         """
         from numbers import Integral
 
-        for name, value, low in (("replays", replays, 1), ("repeat", repeat, 1), ("context", context, 1)):
-            if name == "context" and value is None:
-                continue
-            if not isinstance(value, Integral) or isinstance(value, bool) or value < low:
-                raise GraphcError(f"profile: {name} must be an integer >= {low}, found {value!r:.60}")
+        counts = {"replays": replays, "repeat": repeat, **({} if context is None else {"context": context})}
+        for name, value in counts.items():
+            if not isinstance(value, Integral) or isinstance(value, bool) or value < 1:
+                raise GraphcError(f"profile: {name} must be an integer >= 1, found {value!r:.60}")
         max_context = self.spec.model.max_context
         if context is not None and context > max_context:
             raise GraphcError(f"profile: context {context} is past the model's max_context {max_context}")
         if path is not None:
-            check_writable(path, "profile")       # before the timing, not after
+            output_file(path, "profile")       # before the timing, not after
         if self.device.type != "cuda":
             raise GraphcError("profile needs a CUDA device")
         from .bench import time_replays

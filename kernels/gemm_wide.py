@@ -710,7 +710,6 @@ class WideGemmKernel:
         tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((WG_ROWS, cfg.n_tile)))
         acc = cute.make_rmem_tensor(tCcAcc.shape, Float32)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        k_steps = cute.size(tCrX, mode=[2])
 
         for local in cutlass.range(n_local, unroll=1):
             acc.fill(0.0)
@@ -721,14 +720,8 @@ class WideGemmKernel:
                 for kb in cutlass.range(cfg.k_blocks, unroll=1):
                     i = i0 + kb
                     s = i % cfg.stages
-                    cute.arch.mbarrier_wait(full + s, (i // cfg.stages) % 2)
-                    warpgroup.fence()
-                    for kk in cutlass.range_constexpr(k_steps):
-                        cute.gemm(tiled_mma, acc, tCrX[(None, None, kk, s * cfg.wgs + wg)],
-                                  tCrW[(None, None, kk, s)], acc)
-                    warpgroup.commit_group()
-                    # Keep this k-block's wgmma in flight; the previous one is done, free its stage.
-                    warpgroup.wait_group(1)
+                    self.k_block(tiled_mma, tCrX, tCrW, acc, wg, s, full + s, (i // cfg.stages) % 2)
+                    # The previous k-block's wgmma are done: free its stage.
                     if kb > 0 and lane == 0:
                         release_stage(empty + (i - 1) % cfg.stages, cfg.cluster)
             warpgroup.wait_group(0)
@@ -771,17 +764,25 @@ class WideGemmKernel:
                                   Boolean(rounds > 0))
 
     @cute.jit
-    def k_block_at_stage(self, tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, s: cutlass.Constexpr,
-                         phase: Int32, not_first_round: Boolean):
-        """One k-block from stage ``s`` (a constant) of the round whose barrier parity is
-        ``phase``; then the previous k-block's stage is released (none before the first)."""
+    def k_block(self, tiled_mma, tCrX, tCrW, acc, wg, s, full_s, phase):
+        """Wait on stage ``s``'s barrier ``full_s`` (parity ``phase``) for its k-block, ``s`` a
+        run-time index or with ``static_stages`` a constant, and issue that k-block's wgmma;
+        returns with them in flight once the previous k-block's are done."""
         cfg = self.cfg
-        cute.arch.mbarrier_wait(full + s, phase)
+        cute.arch.mbarrier_wait(full_s, phase)
         warpgroup.fence()
         for kk in cutlass.range_constexpr(cute.size(tCrX, mode=[2])):
             cute.gemm(tiled_mma, acc, tCrX[(None, None, kk, s * cfg.wgs + wg)], tCrW[(None, None, kk, s)], acc)
         warpgroup.commit_group()
         warpgroup.wait_group(1)
+
+    @cute.jit
+    def k_block_at_stage(self, tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, s: cutlass.Constexpr,
+                         phase: Int32, not_first_round: Boolean):
+        """One k-block from stage ``s`` (a constant) of the round whose barrier parity is
+        ``phase``; then the previous k-block's stage is released (none before the first)."""
+        cfg = self.cfg
+        self.k_block(tiled_mma, tCrX, tCrW, acc, wg, s, full + s, phase)
         if const_expr(s > 0):
             if lane == 0:
                 release_stage(empty + (s - 1), cfg.cluster)

@@ -451,7 +451,7 @@ def test_weights_save_refuses_a_missing_folder_or_a_folder_and_replaces_only_whe
 
     with pytest.raises(GraphcError, match=r"weights file .*nodir/w.safetensors: the folder .*nodir does not exist"):
         step.plan.weights.save(tmp_path / "nodir" / "w.safetensors")
-    with pytest.raises(GraphcError, match=r"weights file .*: not a regular file"):
+    with pytest.raises(GraphcError, match=r"weights file .*: that is a folder; give a file name"):
         step.plan.weights.save(tmp_path)
     target = tmp_path / "w.safetensors"
     target.write_text("old")
@@ -502,7 +502,7 @@ def test_profile_refuses_bad_arguments_before_it_times_anything(step, tmp_path):
                             ({"replays": 0}, "replays must be an integer >= 1"),
                             ({"repeat": 2.5}, "repeat must be an integer >= 1"),
                             ({"path": tmp_path / "no" / "p.json"}, "the folder .* does not exist"),
-                            ({"path": tmp_path}, "not a regular file")]:
+                            ({"path": tmp_path}, "profile .*: that is a folder; give a file name")]:
         with pytest.raises(GraphcError, match=message):
             step.profile(1, **kwargs)
     with pytest.raises(GraphcError, match="profile needs a CUDA device"):
