@@ -290,13 +290,15 @@ class WideGemmConfig:
         # SMs until we exit, which costs less than the shallower ring did.
         long_k = self.k_blocks >= DEEP_PIPELINE_MIN_K_BLOCKS
         self.stages = pipeline_stages(stages, self.stage_bytes, SMEM_MAX if long_k else SMEM_BUDGET)
-        # ``static_stages`` (a measurement knob, off by default): the consumers' k-block loop
-        # unrolled by the stage count, so each k-block's stage is a constant and its wgmma
-        # descriptors, barrier addresses and release target are folded at compile time instead
-        # of computed every k-block. Under Nsight Compute at o_proj 256 rows (H100,
-        # bench/gemm_notes.md §55) this kernel issues 2.2x the instructions of cuBLAS's with the
-        # same tile and keeps the tensor pipe 59% busy against its 69%. Only where every CTA
-        # computes one tile (its k-blocks then start at stage 0).
+        # ``static_stages`` (a measurement knob, off by default): the consumers' and the
+        # producer's k-block loops unrolled by the stage count, so each k-block's stage is a
+        # constant: the consumers' wgmma descriptors, barrier addresses and release target and
+        # the producer's buffer and barrier addresses and tile coordinates are folded at compile
+        # time instead of computed every k-block (at o_proj 256 rows, 35 PTX instructions per
+        # consumer k-block instead of 94, 28 per producer k-block instead of 76). Under
+        # Nsight Compute there (H100, bench/gemm_notes.md §55) this kernel issues 2.2x the
+        # instructions of cuBLAS's with the same tile and keeps the tensor pipe 59% busy against
+        # its 69%. Only where every CTA computes one tile (its k-blocks then start at stage 0).
         self.static_stages = on_off_knob("static_stages", static_stages, False, self.tiles <= self.ctas,
                                          f"where each CTA computes one tile ({self.tiles} tiles, {self.ctas} CTAs)")
 
@@ -586,6 +588,15 @@ class WideGemmKernel:
         """(W tile, batch tile) of this CTA's ``local``-th tile (WideGemmConfig.tile_coords)."""
         return self.cfg.tile_coords(cta + local * self.cfg.ctas)
 
+    def tile_and_k_block(self, i: Int32):
+        """(this CTA's tile, k-block) of its ``i``-th producer iteration: with ``static_stages``
+        each CTA has one tile, so ``i`` itself is the k-block."""
+        cfg = self.cfg
+        if const_expr(cfg.static_stages):
+            return 0, i
+        local = i // cfg.k_blocks
+        return local, i - local * cfg.k_blocks
+
     @cute.jit
     def x_rows(self, b_blk: Int32, w: cutlass.Constexpr):
         """(first batch row warpgroup ``w`` of batch tile ``b_blk`` owns, first row of its x box).
@@ -607,23 +618,58 @@ class WideGemmKernel:
         cfg = self.cfg
         evict_first = Int64(EVICT_FIRST)
 
-        # Before the PDL wait: W only, into the fresh stages, each barrier armed with the
-        # whole stage so that it completes only once x has landed too.
-        n_pre = cutlass.min(n_iters, cfg.stages)
-        for i in cutlass.range(n_pre, unroll=1):
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
-            self.load_w(tma_w, mW_tma, sW, cta, rank, i, i, full + i, evict_first)
-        cute.arch.griddepcontrol_wait()
-        for i in cutlass.range(n_pre, unroll=1):
-            self.load_x(tma_x, mX_tma, sX, cta, rank, i, i, full + i)
-        for i in cutlass.range(n_pre, n_iters, unroll=1):
-            s = i % cfg.stages
-            cute.arch.mbarrier_wait(empty + s, ((i // cfg.stages) % 2) ^ 1)
+        if const_expr(cfg.static_stages):
+            self.produce_static(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, evict_first)
+        else:
+            # Before the PDL wait: W only, into the fresh stages, each barrier armed with the
+            # whole stage so that it completes only once x has landed too.
+            n_pre = cutlass.min(n_iters, cfg.stages)
+            for i in cutlass.range(n_pre, unroll=1):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
+                self.load_w(tma_w, mW_tma, sW, cta, rank, i, i, full + i, evict_first)
+            cute.arch.griddepcontrol_wait()
+            for i in cutlass.range(n_pre, unroll=1):
+                self.load_x(tma_x, mX_tma, sX, cta, rank, i, i, full + i)
+            for i in cutlass.range(n_pre, n_iters, unroll=1):
+                s = i % cfg.stages
+                self.refill(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty + s, cta, rank, i, s,
+                            ((i // cfg.stages) % 2) ^ 1, evict_first)
+
+    @cute.jit
+    def produce_static(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, evict_first):
+        """The producer of the one tile with ``static_stages``: the same loads in the same order
+        as the loops in ``producer``, each stage a constant (its buffer and barrier addresses
+        folded at compile time), in rounds of ``stages`` k-blocks after the first."""
+        cfg = self.cfg
+        n_pre = min(cfg.k_blocks, cfg.stages)
+        for s in cutlass.range_constexpr(n_pre):
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_tx_bytes)
-            self.load_w(tma_w, mW_tma, sW, cta, rank, i, s, full + s, evict_first)
-            self.load_x(tma_x, mX_tma, sX, cta, rank, i, s, full + s)
+            self.load_w(tma_w, mW_tma, sW, cta, rank, Int32(s), s, full + s, evict_first)
+        cute.arch.griddepcontrol_wait()
+        for s in cutlass.range_constexpr(n_pre):
+            self.load_x(tma_x, mX_tma, sX, cta, rank, Int32(s), s, full + s)
+        rounds = cfg.k_blocks // cfg.stages
+        for r in cutlass.range(1, rounds, unroll=1):
+            for s in cutlass.range_constexpr(cfg.stages):
+                self.refill(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty + s, cta, rank, r * cfg.stages + s,
+                            s, (r % 2) ^ 1, evict_first)
+        for s in cutlass.range_constexpr(cfg.k_blocks % cfg.stages if rounds > 0 else 0):
+            self.refill(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty + s, cta, rank,
+                        Int32(rounds * cfg.stages + s), s, Int32((rounds % 2) ^ 1), evict_first)
+
+    @cute.jit
+    def refill(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty_s, cta, rank, i, s, phase, evict_first):
+        """Iteration ``i`` into stage ``s`` once its consumers have freed it (its empty barrier
+        ``empty_s`` reaching parity ``phase``): W, then x, both completing on the stage's
+        ``full`` barrier."""
+        cfg = self.cfg
+        cute.arch.mbarrier_wait(empty_s, phase)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_tx_bytes)
+        self.load_w(tma_w, mW_tma, sW, cta, rank, i, s, full + s, evict_first)
+        self.load_x(tma_x, mX_tma, sX, cta, rank, i, s, full + s)
 
     @cute.jit
     def load_w(self, tma_w, mW_tma, sW, cta, rank, i: Int32, stage: Int32, bar, evict_first: Int64):
@@ -632,9 +678,8 @@ class WideGemmKernel:
         sharing W in a pair, this CTA's (boxes r, r + 2, ..., or with one row-major box its
         half of the box's rows), multicast to both."""
         cfg = self.cfg
-        local = i // cfg.k_blocks
+        local, kb = self.tile_and_k_block(i)
         n_blk, _ = self.tile_coords(cta, local)
-        kb = i - local * cfg.k_blocks
         if const_expr(cfg.w_split_boxes):
             rows = cfg.w_block_rows
             for p in cutlass.range_constexpr(cfg.w_boxes):
@@ -684,7 +729,7 @@ class WideGemmKernel:
         """TMA of iteration i's x boxes: 64 batch rows per consumer warpgroup (``x_rows``), its
         k-block; sharing x in a pair, this CTA's half of each box's rows, multicast to both."""
         cfg = self.cfg
-        local = i // cfg.k_blocks
+        local, kb = self.tile_and_k_block(i)
         _, b_blk = self.tile_coords(cta, local)
         x_mcast = cfg.x_multicast
         for w in cutlass.range_constexpr(cfg.wgs):
@@ -693,7 +738,7 @@ class WideGemmKernel:
             tXsX, tXgX = cpasync.tma_partition(
                 tma_x, self.x_rank(rank), cute.make_layout(x_mcast), cute.group_modes(sX, 0, 2),
                 cute.group_modes(gX, 0, 2))
-            tma_load(tma_x, tXgX[(None, i - local * cfg.k_blocks)], tXsX[(None, stage * cfg.wgs + w)], bar,
+            tma_load(tma_x, tXgX[(None, kb)], tXsX[(None, stage * cfg.wgs + w)], bar,
                      x_mcast, mask=self.x_mask(rank))
 
     @cute.jit

@@ -204,6 +204,10 @@ TUNING_CASES = [
     (160, 8192, 7168, None, dict(cluster=4)),
     (137, 18432, 7168, None, dict(cluster=2)),
     (208, 8192, 7168, None, dict(cluster=2)),
+    # static_stages (both k-block loops unrolled by the stage count) with x shared by a pair
+    # instead of W, and with the silu_mul epilogue on trimmed x boxes and 16 stages.
+    (64, 8192, 7168, None, dict(wide=1, cluster=2, static_stages=1)),
+    (40, 1024, 4096, "silu_mul", dict(wide=1, static_stages=1)),
 ]
 
 # Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for

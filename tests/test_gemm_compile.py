@@ -994,6 +994,8 @@ def test_wide_x_boxes_trimmed_below_48_rows():
     (64, 8192, 7168, {"cluster": 2}),         # one batch tile: x shared by pairs of W tiles
     (256, 8192, 7168, {"cluster": 4}),        # 2 x 2 tiles: W shared by pairs and x by pairs
     (192, 7168, 10240, {"batch_tile": 64, "n_tile": 256, "cluster": 4}),   # x shared by fours
+    (256, 8192, 7168, {"static_stages": 1}),  # both k-block loops unrolled by the stage count
+    (64, 8192, 7168, {"cluster": 2, "static_stages": 1}),   # ... with x shared by pairs
 ])
 def test_wide_ptx(m, k, n, tuning):
     cfg = gemm.plan(m, k, n, None, 132, wide=1, **tuning)
@@ -1063,6 +1065,7 @@ def test_wide_silu_mul_ptx(m, tuning, boxes, pair):
     (200, 1024, 4096, {"n_tile": 16}),        # one piece, shared by a pair
     (128, 7168, 163840, {}),                  # 16 pieces; pairs share x instead
     (192, 7168, 10240, {"batch_tile": 64, "n_tile": 256, "cluster": 3}),   # 16 pieces, W in threes
+    (256, 7168, 10240, {"static_stages": 1}),  # 10 pieces shared by a pair, stages constant
 ])
 def test_wide_ptx_w_blocked(m, k, n, tuning):
     """With W in 64 x 64 blocks the whole-K tiles load each stage's W as n_tile / 16 pieces of
@@ -1074,10 +1077,14 @@ def test_wide_ptx_w_blocked(m, k, n, tuning):
     wait = ptx.index("griddepcontrol.wait")
     tma = _tma_loads(ptx)
     prologue = _tma_loads(ptx[:wait])
-    assert [dim for dim, _ in prologue] == ["4d"] * cfg.w_boxes
+    # The prologue's loop body (with static_stages, each of its stages unrolled) and the main
+    # loop's (each stage of a round and the k-blocks left over).
+    prologue_bodies = cfg.stages if cfg.static_stages else 1
+    bodies = prologue_bodies + (cfg.stages + cfg.k_blocks % cfg.stages if cfg.static_stages else 1)
+    assert [dim for dim, _ in prologue] == ["4d"] * cfg.w_boxes * prologue_bodies
     assert {dim for dim, _ in tma} == {"2d", "4d"} and all(len(c) == int(d[0]) for d, c in tma)
     w_loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.4d" in line]
-    assert len(w_loads) == 2 * cfg.w_boxes      # the prologue's and the main loop's
+    assert len(w_loads) == bodies * cfg.w_boxes
     assert all(("multicast::cluster" in line) == (cfg.cluster_shares == "w") for line in w_loads)
 
 
@@ -1213,17 +1220,26 @@ def test_static_stages_only_where_each_cta_computes_one_tile():
 
 
 def test_static_stages_ptx_folds_the_stage_arithmetic():
-    """With the stage a constant the loop body is the barrier wait, four wgmma, the waits and the
-    releases: one unrolled k-block per stage of a round plus the k_blocks % stages left over, no
+    """With the stage a constant both loops are unrolled by it: the consumers' body is the
+    barrier wait, four wgmma, the waits and the releases, the producer's the wait on the freed
+    stage and its loads, one of each per stage of a round plus the k_blocks % stages left over,
+    and the producer's first round (W before the PDL wait, x after) unrolled too; no
     per-k-block modulo; the same number of wgmma per k-block, the same PDL placement."""
     static = _wide_ptx(gemm.plan(256, 8192, 7168, None, 132, static_stages=1))
     dynamic = _wide_ptx(gemm.plan(256, 8192, 7168, None, 132))
     cfg = gemm.plan(256, 8192, 7168, None, 132)
+    assert cfg.cluster_shares == "w" and not cfg.w_split_boxes
     unrolled = cfg.stages + cfg.k_blocks % cfg.stages
     k_steps = 4                                     # 64 of K in wgmma's k16 steps
+    loads = 1 + cfg.wgs                             # per k-block: this CTA's half of the W box, an x box per warpgroup
     assert static.count("wgmma.mma_async") == unrolled * k_steps
     assert dynamic.count("wgmma.mma_async") == k_steps
-    assert static.count("mbarrier.try_wait.parity") - dynamic.count("mbarrier.try_wait.parity") == unrolled - 1
+    # One wait per k-block loop body, consumers' and producer's.
+    assert static.count("mbarrier.try_wait.parity") == 2 * unrolled
+    assert dynamic.count("mbarrier.try_wait.parity") == 2
+    # The producer's loads: first round + rounds' body + leftover; dynamic: its three loops.
+    assert static.count("cp.async.bulk.tensor") == (cfg.stages + unrolled) * loads
+    assert dynamic.count("cp.async.bulk.tensor") == 2 * loads
     # The release's (i - 1) % stages: a 16-bit multiply in the dynamic loop, none unrolled.
     assert "mul.lo.s16" in dynamic and "mul.lo.s16" not in static
     for ptx in (static, dynamic):
