@@ -1205,7 +1205,7 @@ def test_consumer_regs_hold_256_row_tiles_without_spills(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# static_stages: the whole-K tiles' k-block loop with each stage a constant (bench/gemm_notes.md §55).
+# static_stages: the whole-K tiles' k-block loops with each stage a constant (bench/gemm_notes.md §55, §56).
 # ------------------------------------------------------------------------------------------------
 
 
@@ -1244,3 +1244,19 @@ def test_static_stages_ptx_folds_the_stage_arithmetic():
     assert "mul.lo.s16" in dynamic and "mul.lo.s16" not in static
     for ptx in (static, dynamic):
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
+@pytest.mark.parametrize("m, k, n, tuning", [
+    (256, 8192, 7168, {}),                       # o_proj: 8 k-blocks unrolled per loop
+    (256, 7168, 10240, {"w_blocked": 1}),        # qkv: 80 accumulators, 10 W pieces per stage
+])
+def test_static_stages_assemble_without_spills_or_serialized_wgmma(tmp_path, m, k, n, tuning):
+    """The unrolled loops keep every descriptor and address in registers: ptxas reports no
+    spills and no performance advisory (wgmma serialized, C75xx)."""
+    cfg = gemm.plan(m, k, n, None, 132, static_stages=1, **tuning)
+    src = tmp_path / "gemm.ptx"
+    src.write_text(_wide_ptx(cfg))
+    report = run_ptxas(src, tmp_path / "gemm.cubin", "-v")
+    assert "0 bytes spill stores" in report and "0 bytes spill loads" in report, report
+    assert "Performance Loss" not in report and not re.search(r"\(C75\d\d\)", report), report
