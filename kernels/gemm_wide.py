@@ -293,14 +293,19 @@ class WideGemmConfig:
         # ``static_stages`` (a measurement knob, off by default): the consumers' and the
         # producer's k-block loops unrolled by the stage count, so each k-block's stage is a
         # constant: the consumers' wgmma descriptors, barrier addresses and release target and
-        # the producer's buffer and barrier addresses and tile coordinates are folded at compile
-        # time instead of computed every k-block (at o_proj 256 rows, 35 PTX instructions per
-        # consumer k-block instead of 94, 28 per producer k-block instead of 76). Under
-        # Nsight Compute there (H100, bench/gemm_notes.md §55) this kernel issues 2.2x the
-        # instructions of cuBLAS's with the same tile and keeps the tensor pipe 59% busy against
-        # its 69%. Only where every CTA computes one tile (its k-blocks then start at stage 0).
-        self.static_stages = on_off_knob("static_stages", static_stages, False, self.tiles <= self.ctas,
-                                         f"where each CTA computes one tile ({self.tiles} tiles, {self.ctas} CTAs)")
+        # the producer's buffer and barrier addresses (and with one tile per CTA its tile
+        # coordinates) are folded at compile time instead of computed every k-block (at o_proj
+        # 256 rows, 35 PTX instructions per consumer k-block instead of 94, 28 per producer
+        # k-block instead of 76; bench/gemm_notes.md §56). Under Nsight Compute there (H100,
+        # §55) this kernel issues 2.2x the instructions of cuBLAS's with the same tile and keeps
+        # the tensor pipe 59% busy against its 69%. Only where every tile's k-blocks start at
+        # stage 0: each CTA computes one tile, or a tile's k-blocks are whole rounds of stages
+        # (lm_head: 112 k-blocks on 4 stages).
+        self.one_tile_per_cta = self.tiles <= self.ctas
+        self.static_stages = on_off_knob(
+            "static_stages", static_stages, False, self.one_tile_per_cta or self.k_blocks % self.stages == 0,
+            f"where every tile starts at stage 0: one tile per CTA ({self.tiles} tiles, {self.ctas} CTAs) or "
+            f"k-blocks a multiple of the stages ({self.k_blocks} on {self.stages})")
 
     def w_boxes_of_stage(self) -> tuple[int, int, int]:
         """How a stage's W (the tile's n_tile rows, one k-block) is loaded: (rows per box, boxes,
@@ -590,9 +595,9 @@ class WideGemmKernel:
 
     def tile_and_k_block(self, i: Int32):
         """(this CTA's tile, k-block) of its ``i``-th producer iteration: with ``static_stages``
-        each CTA has one tile, so ``i`` itself is the k-block."""
+        and one tile per CTA, ``i`` itself is the k-block."""
         cfg = self.cfg
-        if const_expr(cfg.static_stages):
+        if const_expr(cfg.static_stages and cfg.one_tile_per_cta):
             return 0, i
         local = i // cfg.k_blocks
         return local, i - local * cfg.k_blocks
@@ -619,7 +624,7 @@ class WideGemmKernel:
         evict_first = Int64(EVICT_FIRST)
 
         if const_expr(cfg.static_stages):
-            self.produce_static(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, evict_first)
+            self.produce_static(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters, evict_first)
         else:
             # Before the PDL wait: W only, into the fresh stages, each barrier armed with the
             # whole stage so that it completes only once x has landed too.
@@ -637,10 +642,12 @@ class WideGemmKernel:
                             ((i // cfg.stages) % 2) ^ 1, evict_first)
 
     @cute.jit
-    def produce_static(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, evict_first):
-        """The producer of the one tile with ``static_stages``: the same loads in the same order
-        as the loops in ``producer``, each stage a constant (its buffer and barrier addresses
-        folded at compile time), in rounds of ``stages`` k-blocks after the first."""
+    def produce_static(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters, evict_first):
+        """The producer with ``static_stages``: the same loads in the same order as the loops in
+        ``producer``, each stage a constant (its buffer and barrier addresses folded at compile
+        time), in rounds of ``stages`` k-blocks after the first: over the one tile, then its
+        k_blocks % stages left over; or over all ``n_iters`` k-blocks of the CTA's tiles, each
+        tile whole rounds."""
         cfg = self.cfg
         n_pre = min(cfg.k_blocks, cfg.stages)
         for s in cutlass.range_constexpr(n_pre):
@@ -651,7 +658,8 @@ class WideGemmKernel:
         for s in cutlass.range_constexpr(n_pre):
             self.load_x(tma_x, mX_tma, sX, cta, rank, Int32(s), s, full + s)
         rounds = cfg.k_blocks // cfg.stages
-        for r in cutlass.range(1, rounds, unroll=1):
+        all_rounds = rounds if const_expr(cfg.one_tile_per_cta) else n_iters // cfg.stages
+        for r in cutlass.range(1, all_rounds, unroll=1):
             for s in cutlass.range_constexpr(cfg.stages):
                 self.refill(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty + s, cta, rank, r * cfg.stages + s,
                             s, (r % 2) ^ 1, evict_first)
@@ -760,7 +768,7 @@ class WideGemmKernel:
             acc.fill(0.0)
             i0 = local * cfg.k_blocks
             if const_expr(cfg.static_stages):
-                self.k_blocks_static(tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane)
+                self.k_blocks_static(tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, local)
             else:
                 for kb in cutlass.range(cfg.k_blocks, unroll=1):
                     i = i0 + kb
@@ -795,15 +803,19 @@ class WideGemmKernel:
                             store_bf16x2(mY.iterator + (m * cfg.n_out + col0 + col), lo, hi)
 
     @cute.jit
-    def k_blocks_static(self, tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane):
-        """The one tile's k-blocks with ``static_stages``: rounds of ``stages`` k-blocks, the
-        stage of each a constant, then the k_blocks % stages left over. The same wgmma, waits
-        and releases in the same order as the loop in ``consumer``."""
+    def k_blocks_static(self, tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, local):
+        """The k-blocks of the CTA's ``local``-th tile with ``static_stages``: rounds of
+        ``stages`` k-blocks, the stage of each a constant, then the k_blocks % stages left over
+        (none with several tiles per CTA, so every tile starts at stage 0, in round
+        ``local * rounds`` of the CTA's). The same wgmma, waits and releases in the same order as
+        the loop in ``consumer``."""
         cfg = self.cfg
         rounds = cfg.k_blocks // cfg.stages
+        first_round = local * rounds
         for r in cutlass.range(rounds, unroll=1):
             for s in cutlass.range_constexpr(cfg.stages):
-                self.k_block_at_stage(tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, s, r % 2, r > 0)
+                self.k_block_at_stage(tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, s, (first_round + r) % 2,
+                                      r > 0)
         for s in cutlass.range_constexpr(cfg.k_blocks % cfg.stages):
             self.k_block_at_stage(tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, s, Int32(rounds % 2),
                                   Boolean(rounds > 0))

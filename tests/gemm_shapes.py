@@ -208,6 +208,11 @@ TUNING_CASES = [
     # instead of W, and with the silu_mul epilogue on trimmed x boxes and 16 stages.
     (64, 8192, 7168, None, dict(wide=1, cluster=2, static_stages=1)),
     (40, 1024, 4096, "silu_mul", dict(wide=1, static_stages=1)),
+    # ... over several tiles per CTA, each tile whole rounds (16 k-blocks on 4 stages): 1-2
+    # tiles per CTA with x pairs, 3-4 with W pairs, and silu_mul on 100 rows (x boxes moved back).
+    (128, 1024, 51200, None, dict(wide=1, n_tile=256, stages=4, static_stages=1)),
+    (256, 1024, 40960, None, dict(wide=1, n_tile=160, stages=4, static_stages=1)),
+    (100, 1024, 36864, "silu_mul", dict(wide=1, stages=4, static_stages=1)),
 ]
 
 # Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for

@@ -996,6 +996,7 @@ def test_wide_x_boxes_trimmed_below_48_rows():
     (192, 7168, 10240, {"batch_tile": 64, "n_tile": 256, "cluster": 4}),   # x shared by fours
     (256, 8192, 7168, {"static_stages": 1}),  # both k-block loops unrolled by the stage count
     (64, 8192, 7168, {"cluster": 2, "static_stages": 1}),   # ... with x shared by pairs
+    (128, 7168, 163840, {"static_stages": 1}),  # ... over 4-5 tiles per CTA, each 28 rounds of 4
 ])
 def test_wide_ptx(m, k, n, tuning):
     cfg = gemm.plan(m, k, n, None, 132, wide=1, **tuning)
@@ -1209,14 +1210,18 @@ def test_consumer_regs_hold_256_row_tiles_without_spills(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_static_stages_only_where_each_cta_computes_one_tile():
+def test_static_stages_only_where_every_tile_starts_at_stage_0():
     cfg = gemm.plan(256, 8192, 7168, None, 132, static_stages=1)
     assert isinstance(cfg, WideGemmConfig) and cfg.static_stages == 1 and cfg.tiles <= cfg.ctas
     assert WideGemmConfig.from_key(cfg.key()).key() == cfg.key()
     assert gemm.plan(256, 8192, 7168, None, 132).static_stages == 0
-    with pytest.raises(ValueError, match=r"static_stages=1 unsupported here \(0, or 1 where each CTA computes "
-                                         r"one tile \(640 tiles, 132 CTAs\)\)"):
-        gemm.plan(128, 7168, 163840, None, 132, wide=1, static_stages=1)
+    # Several tiles per CTA: only with whole rounds per tile (lm_head: 112 k-blocks on 4 stages).
+    lm_head = gemm.plan(128, 7168, 163840, None, 132, wide=1, static_stages=1)
+    assert lm_head.tiles > lm_head.ctas and lm_head.k_blocks % lm_head.stages == 0 and lm_head.static_stages
+    with pytest.raises(ValueError, match=r"static_stages=1 unsupported here \(0, or 1 where every tile starts at "
+                                         r"stage 0: one tile per CTA \(384 tiles, 132 CTAs\) or k-blocks a "
+                                         r"multiple of the stages \(112 on 5\)\)"):
+        gemm.plan(160, 7168, 36864, "silu_mul", 132, wide=1, static_stages=1)
 
 
 def test_static_stages_ptx_folds_the_stage_arithmetic():
@@ -1246,10 +1251,24 @@ def test_static_stages_ptx_folds_the_stage_arithmetic():
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
 
 
+def test_static_stages_over_several_tiles_per_cta():
+    """lm_head at 128 rows (4-5 tiles per CTA, 112 k-blocks on 4 stages): one round of each
+    loop unrolled, no k-blocks left over; the producer's rounds run over all of the CTA's
+    k-blocks, the consumers' per tile, each tile's epilogue once."""
+    cfg = gemm.plan(128, 7168, 163840, None, 132, wide=1, static_stages=1)
+    static, dynamic = _wide_ptx(cfg), _wide_ptx(gemm.plan(128, 7168, 163840, None, 132, wide=1))
+    loads = 1 + cfg.wgs                             # one W box of 256 rows, an x box per warpgroup
+    assert static.count("wgmma.mma_async") == cfg.stages * 4
+    assert static.count("mbarrier.try_wait.parity") == 2 * cfg.stages
+    assert static.count("cp.async.bulk.tensor") == 2 * cfg.stages * loads
+    assert static.count("st.global.b32") == dynamic.count("st.global.b32")
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
 @pytest.mark.parametrize("m, k, n, tuning", [
     (256, 8192, 7168, {}),                       # o_proj: 8 k-blocks unrolled per loop
     (256, 7168, 10240, {"w_blocked": 1}),        # qkv: 80 accumulators, 10 W pieces per stage
+    (256, 7168, 163840, {"wide": 1}),            # lm_head: 128 accumulators, 9-10 tiles per CTA
 ])
 def test_static_stages_assemble_without_spills_or_serialized_wgmma(tmp_path, m, k, n, tuning):
     """The unrolled loops keep every descriptor and address in registers: ptxas reports no
