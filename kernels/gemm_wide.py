@@ -623,46 +623,37 @@ class WideGemmKernel:
         cfg = self.cfg
         evict_first = Int64(EVICT_FIRST)
 
+        # Before the PDL wait: W only, into the fresh stages, each barrier armed with the
+        # whole stage so that it completes only once x has landed too.
+        n_pre = cutlass.min(n_iters, cfg.stages)
+        for i in cutlass.range(n_pre, unroll=1):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
+            self.load_w(tma_w, mW_tma, sW, cta, rank, i, i, full + i, evict_first)
+        cute.arch.griddepcontrol_wait()
+        for i in cutlass.range(n_pre, unroll=1):
+            self.load_x(tma_x, mX_tma, sX, cta, rank, i, i, full + i)
         if const_expr(cfg.static_stages):
-            self.produce_static(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters, evict_first)
+            self.refill_static(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters, evict_first)
         else:
-            # Before the PDL wait: W only, into the fresh stages, each barrier armed with the
-            # whole stage so that it completes only once x has landed too.
-            n_pre = cutlass.min(n_iters, cfg.stages)
-            for i in cutlass.range(n_pre, unroll=1):
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(full + i, cfg.stage_tx_bytes)
-                self.load_w(tma_w, mW_tma, sW, cta, rank, i, i, full + i, evict_first)
-            cute.arch.griddepcontrol_wait()
-            for i in cutlass.range(n_pre, unroll=1):
-                self.load_x(tma_x, mX_tma, sX, cta, rank, i, i, full + i)
             for i in cutlass.range(n_pre, n_iters, unroll=1):
                 s = i % cfg.stages
                 self.refill(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty + s, cta, rank, i, s,
                             ((i // cfg.stages) % 2) ^ 1, evict_first)
 
     @cute.jit
-    def produce_static(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters, evict_first):
-        """The producer with ``static_stages``: the same loads in the same order as the loops in
-        ``producer``, each stage a constant (its buffer and barrier addresses folded at compile
-        time), in rounds of ``stages`` k-blocks after the first: over the one tile, then its
-        k_blocks % stages left over; or over all ``n_iters`` k-blocks of the CTA's tiles, each
-        tile whole rounds."""
+    def refill_static(self, tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty, cta, rank, n_iters, evict_first):
+        """The producer's refills after its first round with ``static_stages``: the same loads in
+        the same order as the loop in ``producer``, in rounds of ``stages`` k-blocks with each
+        stage a constant (its buffer and barrier addresses folded at compile time), then the one
+        tile's k_blocks % stages left over (none with several tiles per CTA: each tile is whole
+        rounds, so a round never straddles two)."""
         cfg = self.cfg
-        n_pre = min(cfg.k_blocks, cfg.stages)
-        for s in cutlass.range_constexpr(n_pre):
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.stage_tx_bytes)
-            self.load_w(tma_w, mW_tma, sW, cta, rank, Int32(s), s, full + s, evict_first)
-        cute.arch.griddepcontrol_wait()
-        for s in cutlass.range_constexpr(n_pre):
-            self.load_x(tma_x, mX_tma, sX, cta, rank, Int32(s), s, full + s)
-        rounds = cfg.k_blocks // cfg.stages
-        all_rounds = rounds if const_expr(cfg.one_tile_per_cta) else n_iters // cfg.stages
-        for r in cutlass.range(1, all_rounds, unroll=1):
+        for r in cutlass.range(1, n_iters // cfg.stages, unroll=1):
             for s in cutlass.range_constexpr(cfg.stages):
                 self.refill(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty + s, cta, rank, r * cfg.stages + s,
                             s, (r % 2) ^ 1, evict_first)
+        rounds = cfg.k_blocks // cfg.stages
         for s in cutlass.range_constexpr(cfg.k_blocks % cfg.stages if rounds > 0 else 0):
             self.refill(tma_x, mX_tma, tma_w, mW_tma, sX, sW, full, empty + s, cta, rank,
                         Int32(rounds * cfg.stages + s), s, Int32((rounds % 2) ^ 1), evict_first)

@@ -1078,11 +1078,10 @@ def test_wide_ptx_w_blocked(m, k, n, tuning):
     wait = ptx.index("griddepcontrol.wait")
     tma = _tma_loads(ptx)
     prologue = _tma_loads(ptx[:wait])
-    # The prologue's loop body (with static_stages, each of its stages unrolled) and the main
-    # loop's (each stage of a round and the k-blocks left over).
-    prologue_bodies = cfg.stages if cfg.static_stages else 1
-    bodies = prologue_bodies + (cfg.stages + cfg.k_blocks % cfg.stages if cfg.static_stages else 1)
-    assert [dim for dim, _ in prologue] == ["4d"] * cfg.w_boxes * prologue_bodies
+    # The prologue's loop body and the main loop's (with static_stages, each stage of a round
+    # and the k-blocks left over).
+    bodies = 1 + (cfg.stages + cfg.k_blocks % cfg.stages if cfg.static_stages else 1)
+    assert [dim for dim, _ in prologue] == ["4d"] * cfg.w_boxes
     assert {dim for dim, _ in tma} == {"2d", "4d"} and all(len(c) == int(d[0]) for d, c in tma)
     w_loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.4d" in line]
     assert len(w_loads) == bodies * cfg.w_boxes
@@ -1225,11 +1224,11 @@ def test_static_stages_only_where_every_tile_starts_at_stage_0():
 
 
 def test_static_stages_ptx_folds_the_stage_arithmetic():
-    """With the stage a constant both loops are unrolled by it: the consumers' body is the
+    """With the stage a constant both main loops are unrolled by it: the consumers' body is the
     barrier wait, four wgmma, the waits and the releases, the producer's the wait on the freed
-    stage and its loads, one of each per stage of a round plus the k_blocks % stages left over,
-    and the producer's first round (W before the PDL wait, x after) unrolled too; no
-    per-k-block modulo; the same number of wgmma per k-block, the same PDL placement."""
+    stage and its loads, one of each per stage of a round plus the k_blocks % stages left over
+    (the producer's first round, run once, stays a loop); no per-k-block modulo; the same
+    number of wgmma per k-block, the same PDL placement."""
     static = _wide_ptx(gemm.plan(256, 8192, 7168, None, 132, static_stages=1))
     dynamic = _wide_ptx(gemm.plan(256, 8192, 7168, None, 132))
     cfg = gemm.plan(256, 8192, 7168, None, 132)
@@ -1242,8 +1241,9 @@ def test_static_stages_ptx_folds_the_stage_arithmetic():
     # One wait per k-block loop body, consumers' and producer's.
     assert static.count("mbarrier.try_wait.parity") == 2 * unrolled
     assert dynamic.count("mbarrier.try_wait.parity") == 2
-    # The producer's loads: first round + rounds' body + leftover; dynamic: its three loops.
-    assert static.count("cp.async.bulk.tensor") == (cfg.stages + unrolled) * loads
+    # The producer's loads: the first round's two loops (W, x) + rounds' body + leftover;
+    # dynamic: its three loops.
+    assert static.count("cp.async.bulk.tensor") == (1 + unrolled) * loads
     assert dynamic.count("cp.async.bulk.tensor") == 2 * loads
     # The release's (i - 1) % stages: a 16-bit multiply in the dynamic loop, none unrolled.
     assert "mul.lo.s16" in dynamic and "mul.lo.s16" not in static
@@ -1253,14 +1253,14 @@ def test_static_stages_ptx_folds_the_stage_arithmetic():
 
 def test_static_stages_over_several_tiles_per_cta():
     """lm_head at 128 rows (4-5 tiles per CTA, 112 k-blocks on 4 stages): one round of each
-    loop unrolled, no k-blocks left over; the producer's rounds run over all of the CTA's
+    main loop unrolled, no k-blocks left over; the producer's rounds run over all of the CTA's
     k-blocks, the consumers' per tile, each tile's epilogue once."""
     cfg = gemm.plan(128, 7168, 163840, None, 132, wide=1, static_stages=1)
     static, dynamic = _wide_ptx(cfg), _wide_ptx(gemm.plan(128, 7168, 163840, None, 132, wide=1))
     loads = 1 + cfg.wgs                             # one W box of 256 rows, an x box per warpgroup
     assert static.count("wgmma.mma_async") == cfg.stages * 4
     assert static.count("mbarrier.try_wait.parity") == 2 * cfg.stages
-    assert static.count("cp.async.bulk.tensor") == 2 * cfg.stages * loads
+    assert static.count("cp.async.bulk.tensor") == (1 + cfg.stages) * loads     # first round's loops + a round
     assert static.count("st.global.b32") == dynamic.count("st.global.b32")
 
 
