@@ -862,13 +862,18 @@ def store_bf16x2(dst, lo: Float32, hi: Float32) -> None:
 # ------------------------------------------------------------------------------------------------
 # Compilation, the compile cache and the torch entry point.
 # ------------------------------------------------------------------------------------------------
+def compile_args() -> tuple:
+    """Placeholder arguments of ``WideGemmKernel.__call__`` for ``cute.compile`` (x, W, y
+    addresses, stream, use_pdl): also what bench/gemm_wide_apart.py compiles its variants with."""
+    z = Int64(0)
+    return (z, z, z, cuda.CUstream(0), Boolean(True))
+
+
 def _build(*key, options: str = ""):
     kernel = WideGemmKernel(WideGemmConfig.from_key(key))
-    z = Int64(0)
-    args = (z, z, z, cuda.CUstream(0), Boolean(True))
     if options:
-        return cute.compile(kernel, *args, options=options)
-    return cute.compile(kernel, *args)
+        return cute.compile(kernel, *compile_args(), options=options)
+    return cute.compile(kernel, *compile_args())
 
 
 _CACHE = CompileCache("gemm_wide", _build, (sys.modules[__name__], smem_pipeline, weight_blocks))

@@ -165,6 +165,46 @@ def test_precompile_lean_list_and_prune(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([keep.name, "gemm_timeline-89ab.o", "notes.txt"])
 
 
+def test_gemm_wide_apart_probes_compile_as_described(monkeypatch):
+    """bench/gemm_wide_apart.py: its cases resolve to the whole-K configuration gemm.linear runs
+    (W in blocks where the default reads them; a stream-K case refused by name), and its three
+    probes compile to what its docstring says: ``feed`` the shipped loads and waits with no
+    wgmma, ``feed_w`` only the W loads, ``tensor`` the shipped wgmma with only the first round's
+    loads and no wait on a freed stage."""
+    import re
+    import tempfile
+
+    from graphc.kernels import gemm_wide
+
+    monkeypatch.syspath_prepend(str(BENCH))                  # it imports bench/gemm.py, gemm_ncu.py
+    apart = _load("gemm_wide_apart")
+    with pytest.raises(SystemExit, match="o_proj:8: runs gemm_stream_k, not the whole-K tiles"):
+        apart.wide_config("o_proj", 8, {}, 132)
+    assert apart.wide_config("qkv", 256, {}, 132)[1] == 64                 # qkv 256 reads blocks
+    cfg, rows = apart.wide_config("o_proj", 256, {"static_stages": 1}, 132)
+    assert (rows, cfg.cluster_shares, cfg.static_stages, cfg.wgs) == (0, "w", 1, 2)
+
+    def counts(fn):
+        ptx = fn.__ptx__
+        return {"wgmma": ptx.count("wgmma.mma_async"), "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                "waits": ptx.count("mbarrier.try_wait")}
+
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir {dump_dir}"
+        shipped = counts(gemm_wide.compile_wide(cfg, options=options))
+        probes = {name: counts(fn) for name, fn in apart.compile_probes(cfg, options=options).items()}
+    # Unrolled by the 6 stages: the producer's first-round loop (one body: W, then an x box per
+    # warpgroup), its refill round (6 bodies) and the 128 % 6 = 2 k-blocks left over; the
+    # consumers' round and left-over k-blocks, each with its wait (as the producer's refills).
+    producer_bodies, consumer_bodies = 1 + cfg.stages + cfg.k_blocks % cfg.stages, cfg.stages + cfg.k_blocks % cfg.stages
+    x_loads = cfg.wgs * producer_bodies
+    assert shipped == {"wgmma": 4 * consumer_bodies, "tma": (1 + cfg.wgs) * producer_bodies,
+                       "waits": 2 * consumer_bodies}
+    assert probes["feed"] == {**shipped, "wgmma": 0}
+    assert probes["feed_w"] == {**shipped, "wgmma": 0, "tma": shipped["tma"] - x_loads}
+    assert probes["tensor"] == {**shipped, "tma": 1 + cfg.wgs, "waits": consumer_bodies}
+
+
 def test_chain_timeline_instrumentation_compiles():
     """bench/chain_timeline.py: its timer stores still apply to kernels/attn_res.py at their
     anchors (one each) and the instrumented AttnRes compiles; the chain's GEMM configurations
