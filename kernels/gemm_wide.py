@@ -104,7 +104,7 @@ WAITS = True
 TRIGGER = "early"
 
 TUNING_KNOBS = ("batch_tile", "n_tile", "stages", "cluster", "x_group", "x_trim", "w_blocked", "w_block_rows",
-                "static_stages")
+                "static_stages", "wg_release")
 BLOCK_K = 64               # one 128-byte swizzle atom of bf16 per row and stage
 WG_ROWS = 64               # batch rows per consumer warpgroup (wgmma's M)
 N_TILE_STEP = 16           # wgmma N steps of 8; CuTe DSL 4.8.1 needs an even number of 8-row atoms
@@ -180,12 +180,13 @@ def n_tile_step(epilogue: str | None) -> int:
 
 class WideGemmConfig:
     """Every static decision for one (M, K, N, epilogue, ctas[, batch_tile, n_tile, stages, cluster,
-    x_group, x_trim, w_blocked, w_block_rows, static_stages])."""
+    x_group, x_trim, w_blocked, w_block_rows, static_stages, wg_release])."""
 
     def __init__(self, m: int, k: int, n: int, ctas: int, epilogue: str | None = None, *,
                  batch_tile: int | None = None, n_tile: int | None = None, stages: int | None = None,
                  cluster: int | None = None, x_group: int | None = None, x_trim: int | None = None,
-                 w_blocked: int | None = None, w_block_rows: int | None = None, static_stages: int | None = None):
+                 w_blocked: int | None = None, w_block_rows: int | None = None, static_stages: int | None = None,
+                 wg_release: int | None = None):
         if epilogue not in EPILOGUES:
             raise ValueError(f"wide decode GEMM: epilogue={epilogue!r} unsupported: one of {EPILOGUES}")
         step = n_tile_step(epilogue)
@@ -306,6 +307,14 @@ class WideGemmConfig:
             "static_stages", static_stages, False, self.one_tile_per_cta or self.k_blocks % self.stages == 0,
             f"where every tile starts at stage 0: one tile per CTA ({self.tiles} tiles, {self.ctas} CTAs) or "
             f"k-blocks a multiple of the stages ({self.k_blocks} on {self.stages})")
+        # ``wg_release`` (a measurement knob, off by default): a consumer warpgroup frees a stage
+        # with one arrival per CTA it shares the stage with (from its first warp, one lane per
+        # CTA), as CUTLASS's Hopper TMA pipeline does, instead of one from each of its four warps:
+        # in a pair 4 arrivals per stage instead of 16, 2 of them remote instead of 8. A
+        # warpgroup's wgmma are one operation for its four warps, so when one warp's wait_group
+        # has seen a k-block's wgmma complete, none of them still reads that stage. A candidate
+        # for the slower refills of §56 (bench/gemm_notes.md §57).
+        self.wg_release = on_off_knob("wg_release", wg_release, False, True, "")
 
     def w_boxes_of_stage(self) -> tuple[int, int, int]:
         """How a stage's W (the tile's n_tile rows, one k-block) is loaded: (rows per box, boxes,
@@ -342,6 +351,12 @@ class WideGemmConfig:
         if (self.n // self.w_block_rows) % (half // self.w_block_rows):
             return pieces       # a box of `half` rows must tile W's block rows (CuTe's local_tile)
         return half, 2, self.n_tile - half
+
+    @property
+    def releases_per_wg(self) -> int:
+        """Arrivals with which a consumer warpgroup frees a stage in each CTA sharing it: one per
+        warp, or one with ``wg_release``."""
+        return 1 if self.wg_release else 4
 
     @property
     def w_split_boxes(self) -> bool:
@@ -438,7 +453,7 @@ class WideGemmConfig:
                 + (f" ({self.cluster_shares})" if self.cluster_shares else "")
                 + (", x_trim=1" if self.x_trim else "") + (", w_blocked=1" if self.w_blocked else "")
                 + (f", w_block_rows={self.w_block_rows}" if self.w_block_rows != weight_blocks.BLOCK else "")
-                + (", static_stages=1" if self.static_stages else "")
+                + (", static_stages=1" if self.static_stages else "") + (", wg_release=1" if self.wg_release else "")
                 + f", L2 reads W {w_l2 / 1e6:.0f} + x {x_l2 / 1e6:.0f} MB)")
 
 
@@ -572,9 +587,9 @@ class WideGemmKernel:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(cfg.stages):
                     cute.arch.mbarrier_init(full + s, 1)
-                    # One release per consumer warp of each CTA of the cluster (both
-                    # producers write into this stage).
-                    cute.arch.mbarrier_init(empty + s, 4 * cfg.wgs * cfg.cluster)
+                    # One release per consumer warp (or warpgroup: wg_release) of each CTA of
+                    # the cluster (both producers write into this stage).
+                    cute.arch.mbarrier_init(empty + s, cfg.releases_per_wg * cfg.wgs * cfg.cluster)
             cute.arch.mbarrier_init_fence()
         barriers_ready(cfg.cluster)
         rank = cta % cfg.cluster
@@ -759,18 +774,16 @@ class WideGemmKernel:
             acc.fill(0.0)
             i0 = local * cfg.k_blocks
             if const_expr(cfg.static_stages):
-                self.k_blocks_static(tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, local)
+                self.k_blocks_static(tiled_mma, tCrX, tCrW, acc, full, empty, wg, warp, lane, local)
             else:
                 for kb in cutlass.range(cfg.k_blocks, unroll=1):
                     i = i0 + kb
                     s = i % cfg.stages
                     self.k_block(tiled_mma, tCrX, tCrW, acc, wg, s, full + s, (i // cfg.stages) % 2)
                     # The previous k-block's wgmma are done: free its stage.
-                    if kb > 0 and lane == 0:
-                        release_stage(empty + (i - 1) % cfg.stages, cfg.cluster)
+                    self.release(empty, (i - 1) % cfg.stages, warp, lane, kb > 0)
             warpgroup.wait_group(0)
-            if lane == 0:
-                release_stage(empty + (i0 + cfg.k_blocks - 1) % cfg.stages, cfg.cluster)
+            self.release(empty, (i0 + cfg.k_blocks - 1) % cfg.stages, warp, lane)
             n_blk, b_blk = self.tile_coords(cta, local)
             # y columns of this tile: its n_tile W rows, or with silu_mul its n_tile / 2 gate rows.
             col0 = n_blk * (cfg.n_tile // 2 if const_expr(cfg.silu) else cfg.n_tile)
@@ -794,7 +807,7 @@ class WideGemmKernel:
                             store_bf16x2(mY.iterator + (m * cfg.n_out + col0 + col), lo, hi)
 
     @cute.jit
-    def k_blocks_static(self, tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, local):
+    def k_blocks_static(self, tiled_mma, tCrX, tCrW, acc, full, empty, wg, warp, lane, local):
         """The k-blocks of the CTA's ``local``-th tile with ``static_stages``: rounds of
         ``stages`` k-blocks, the stage of each a constant, then the k_blocks % stages left over
         (none with several tiles per CTA, so every tile starts at stage 0, in round
@@ -805,10 +818,10 @@ class WideGemmKernel:
         first_round = local * rounds
         for r in cutlass.range(rounds, unroll=1):
             for s in cutlass.range_constexpr(cfg.stages):
-                self.k_block_at_stage(tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, s, (first_round + r) % 2,
-                                      r > 0)
+                self.k_block_at_stage(tiled_mma, tCrX, tCrW, acc, full, empty, wg, warp, lane, s,
+                                      (first_round + r) % 2, r > 0)
         for s in cutlass.range_constexpr(cfg.k_blocks % cfg.stages):
-            self.k_block_at_stage(tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, s, Int32(rounds % 2),
+            self.k_block_at_stage(tiled_mma, tCrX, tCrW, acc, full, empty, wg, warp, lane, s, Int32(rounds % 2),
                                   Boolean(rounds > 0))
 
     @cute.jit
@@ -825,18 +838,33 @@ class WideGemmKernel:
         warpgroup.wait_group(1)
 
     @cute.jit
-    def k_block_at_stage(self, tiled_mma, tCrX, tCrW, acc, full, empty, wg, lane, s: cutlass.Constexpr,
+    def k_block_at_stage(self, tiled_mma, tCrX, tCrW, acc, full, empty, wg, warp, lane, s: cutlass.Constexpr,
                          phase: Int32, not_first_round: Boolean):
         """One k-block from stage ``s`` (a constant) of the round whose barrier parity is
         ``phase``; then the previous k-block's stage is released (none before the first)."""
         cfg = self.cfg
         self.k_block(tiled_mma, tCrX, tCrW, acc, wg, s, full + s, phase)
         if const_expr(s > 0):
-            if lane == 0:
-                release_stage(empty + (s - 1), cfg.cluster)
+            self.release(empty, s - 1, warp, lane)
         else:
-            if not_first_round and lane == 0:
-                release_stage(empty + (cfg.stages - 1), cfg.cluster)
+            self.release(empty, cfg.stages - 1, warp, lane, not_first_round)
+
+    @cute.jit
+    def release(self, empty, s, warp, lane, also=True):
+        """Free stage ``s`` (if ``also``) in every CTA that shares it, arriving on its barrier in
+        ``empty``: from lane 0 of each consumer warp, or with ``wg_release`` from the first
+        ``cluster`` lanes of each warpgroup's first warp, lane r on rank r's barrier. (The
+        barrier's address is computed under the condition, as the shipped loop always did.)"""
+        cfg = self.cfg
+        if const_expr(cfg.wg_release):
+            if also and warp % 4 == 0 and lane < cfg.cluster:
+                if const_expr(cfg.cluster > 1):
+                    cute.arch.mbarrier_arrive(empty + s, lane)
+                else:
+                    cute.arch.mbarrier_arrive(empty + s)
+        else:
+            if also and lane == 0:
+                release_stage(empty + s, cfg.cluster)
 
 
 @cute.jit

@@ -213,6 +213,11 @@ TUNING_CASES = [
     (128, 1024, 51200, None, dict(wide=1, n_tile=256, stages=4, static_stages=1)),
     (256, 1024, 40960, None, dict(wide=1, n_tile=160, stages=4, static_stages=1)),
     (100, 1024, 36864, "silu_mul", dict(wide=1, stages=4, static_stages=1)),
+    # wg_release (one release per consumer warpgroup and CTA): W pairs, x pairs over several
+    # tiles per CTA with stages constant, and no cluster with silu_mul.
+    (256, 8192, 7168, None, dict(wide=1, wg_release=1)),
+    (128, 1024, 51200, None, dict(wide=1, n_tile=256, stages=4, static_stages=1, wg_release=1)),
+    (200, 1024, 5632, "silu_mul", dict(wide=1, cluster=1, wg_release=1)),
 ]
 
 # Shapes of test_gemm_gpu's other tests (graph replay, chains, races, stream), listed for

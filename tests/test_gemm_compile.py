@@ -997,6 +997,8 @@ def test_wide_x_boxes_trimmed_below_48_rows():
     (256, 8192, 7168, {"static_stages": 1}),  # both k-block loops unrolled by the stage count
     (64, 8192, 7168, {"cluster": 2, "static_stages": 1}),   # ... with x shared by pairs
     (128, 7168, 163840, {"static_stages": 1}),  # ... over 4-5 tiles per CTA, each 28 rounds of 4
+    (256, 8192, 7168, {"wg_release": 1}),     # one release per warpgroup and CTA
+    (128, 7168, 163840, {"wg_release": 1, "static_stages": 1}),   # ... x pairs, stages constant
 ])
 def test_wide_ptx(m, k, n, tuning):
     cfg = gemm.plan(m, k, n, None, 132, wide=1, **tuning)
@@ -1262,6 +1264,50 @@ def test_static_stages_over_several_tiles_per_cta():
     assert static.count("mbarrier.try_wait.parity") == 2 * cfg.stages
     assert static.count("cp.async.bulk.tensor") == (1 + cfg.stages) * loads     # first round's loops + a round
     assert static.count("st.global.b32") == dynamic.count("st.global.b32")
+
+
+# ------------------------------------------------------------------------------------------------
+# wg_release: a consumer warpgroup frees a stage with one arrival per CTA (bench/gemm_notes.md §57).
+# ------------------------------------------------------------------------------------------------
+
+
+def _empty_barrier_count(ptx: str, stages: int) -> int:
+    """The arrival count the empty barriers are initialised with: the init of the second one
+    (``[base + 8 * (stages + 1)]``, after the stages' full barriers; the first one's address may
+    have a register of its own) names a register set to it."""
+    reg = re.search(rf"mbarrier\.init\.shared\.b64\s+\[%r\d+\+{8 * (stages + 1)}\], (%r\d+);", ptx).group(1)
+    return int(re.search(rf"mov\.b32\s+{reg}, (\d+);", ptx).group(1))
+
+
+@pytest.mark.parametrize("m, k, n, epilogue, tuning", [
+    (256, 8192, 7168, None, {}),                                           # o_proj: W pairs
+    (256, 8192, 7168, None, {"static_stages": 1}),                         # ... release sites unrolled
+    (128, 7168, 163840, None, {"wide": 1}),                                # lm_head: x pairs, several tiles
+    (256, 7168, 36864, "silu_mul", {"wide": 1, "w_blocked": 1, "cluster": 1}),   # no cluster
+])
+def test_wg_release_arrives_once_per_warpgroup_and_cta(m, k, n, epilogue, tuning):
+    """With wg_release the empty barriers expect a quarter of the arrivals (one per consumer
+    warpgroup of each CTA sharing the stage instead of one per warp), and each release site
+    issues one arrival (its lane picks the CTA) where the default issues one per CTA; the
+    rest of the kernel is the default's (the same wgmma, loads and waits)."""
+    default_cfg = gemm.plan(m, k, n, epilogue, 132, **tuning)
+    cfg = gemm.plan(m, k, n, epilogue, 132, wg_release=1, **tuning)
+    assert cfg.wg_release == 1 and default_cfg.wg_release == 0 and "wg_release=1" in repr(cfg)
+    assert WideGemmConfig.from_key(cfg.key()).key() == cfg.key() != default_cfg.key()
+    default, ptx = _wide_ptx(default_cfg), _wide_ptx(cfg)
+    assert _empty_barrier_count(default, cfg.stages) == 4 * cfg.wgs * cfg.cluster
+    assert _empty_barrier_count(ptx, cfg.stages) == cfg.wgs * cfg.cluster
+    if cfg.cluster > 1:
+        arrive = "mbarrier.arrive.shared::cluster"
+        assert default.count(arrive) == cfg.cluster * ptx.count(arrive) > 0
+        # The remote address of the default's rank r is a constant r; wg_release's is the lane's.
+        assert not re.search(r"mapa\.shared::cluster\.u32\s+%r\d+, %r\d+, %r\d+;", default)
+        assert re.search(r"mapa\.shared::cluster\.u32\s+%r\d+, %r\d+, %r\d+;", ptx)
+    else:
+        arrive = re.compile(r"mbarrier\.arrive(\.release\.cta)?\.shared(::cta)?\.b64")
+        assert len(arrive.findall(default)) == len(arrive.findall(ptx)) > 0
+    for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "st.global.b32"):
+        assert ptx.count(op) == default.count(op), op
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
