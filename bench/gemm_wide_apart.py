@@ -22,7 +22,7 @@ Only ``shipped`` computes y: the variants are timing probes and their outputs ar
 
 Each argument is bench/gemm_ncu.py's ``shape:M[:knob=value,...]``, the knobs those of
 ``gemm.plan`` (``ctas``, ``static_stages=1``, ``stages=7``, ``cluster=1``, ``w_blocked=0`` ...);
-the configuration must be the whole-K tiles (``wide=1`` forces them). W is in blocks where
+the configuration must be the whole-K tiles (``wide=1`` forces them), without ``wg_release``. W is in blocks where
 the shipped default reads blocks, as in bench/gemm.py. The variants are subclasses compiled
 here (not cached), so the shipped kernel carries nothing.
 """
@@ -122,7 +122,14 @@ def wide_config(name: str, m: int, tuning: dict, sms: int):
     module, key = variant(rows)
     if module != gemm_wide.__name__:
         raise SystemExit(f"{name}:{m}: runs {module.rsplit('.', 1)[-1]}, not the whole-K tiles: add wide=1")
-    return gemm_wide.WideGemmConfig.from_key(key), rows
+    cfg = gemm_wide.WideGemmConfig.from_key(key)
+    if cfg.wg_release:
+        # Its one release per warpgroup is safe because the warpgroup's shared wgmma keep its
+        # four warps together; the feed probes have none, so a lagging warp could fall a ring
+        # behind the releases and wait on the wrong phase. Time wg_release in bench/gemm.py.
+        raise SystemExit(f"{name}:{m}: wg_release=1 is not probed: the feed probes have no wgmma to keep a "
+                         f"warpgroup's warps together, which its releases rely on (bench/gemm.py times it)")
+    return cfg, rows
 
 
 def run_case(arg: str, rounds: int, replays: int, floor: dict) -> dict:
@@ -206,10 +213,12 @@ def main() -> None:
     floor = device_floor_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}: floor at {floor['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({floor['source']}), "
           f"copy {floor['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
-    rows = [run_case(arg, args.rounds, args.replays, floor) for arg in args.cases]
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "floor": floor, "rows": rows}, f, indent=1)
+    rows = []
+    for arg in args.cases:
+        rows.append(run_case(arg, args.rounds, args.replays, floor))
+        if args.out:                     # after every case: a later one that fails loses nothing
+            with open(args.out, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(0), "floor": floor, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,8 @@ def test_gemm_wide_apart_probes_compile_as_described(monkeypatch):
     apart = _load("gemm_wide_apart")
     with pytest.raises(SystemExit, match="o_proj:8: runs gemm_stream_k, not the whole-K tiles"):
         apart.wide_config("o_proj", 8, {}, 132)
+    with pytest.raises(SystemExit, match="o_proj:256: wg_release=1 is not probed"):
+        apart.wide_config("o_proj", 256, {"wg_release": 1}, 132)
     assert apart.wide_config("qkv", 256, {}, 132)[1] == 64                 # qkv 256 reads blocks
     cfg, rows = apart.wide_config("o_proj", 256, {"static_stages": 1}, 132)
     assert (rows, cfg.cluster_shares, cfg.static_stages, cfg.wgs) == (0, "w", 1, 2)
