@@ -22,9 +22,10 @@ Only ``shipped`` computes y: the variants are timing probes and their outputs ar
 
 Each argument is bench/gemm_ncu.py's ``shape:M[:knob=value,...]``, the knobs those of
 ``gemm.plan`` (``ctas``, ``static_stages=1``, ``stages=7``, ``cluster=1``, ``w_blocked=0`` ...);
-the configuration must be the whole-K tiles (``wide=1`` forces them), without ``wg_release``. W is in blocks where
-the shipped default reads blocks, as in bench/gemm.py. The variants are subclasses compiled
-here (not cached), so the shipped kernel carries nothing.
+the configuration must be the whole-K tiles (``wide=1`` forces them), without ``wg_release``.
+W is in blocks where the shipped default reads blocks, as in bench/gemm.py. The variants are
+subclasses compiled here (not cached), so the shipped kernel carries nothing. ``--out`` is
+rewritten after every case.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
 
 def probe_classes() -> dict:
     """{probe name: WideGemmKernel subclass}, built on import of cutlass."""
