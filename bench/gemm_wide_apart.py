@@ -63,7 +63,7 @@ def probe_classes() -> dict:
 
         def __init__(self, cfg):
             cfg = copy.copy(cfg)
-            cfg.stage_tx_bytes = cfg.w_boxes * cfg.w_box_rows * wide.BLOCK_K * 2
+            cfg.stage_tx_bytes = cfg.w_tx_bytes
             super().__init__(cfg)
 
         @cute.jit
@@ -110,17 +110,18 @@ def wide_config(name: str, m: int, tuning: dict, sms: int):
     tuning = dict(tuning)
     ctas = tuning.pop("ctas", sms)
 
+    knobs, _ = weight_order(tuning)         # plan's knobs; W's order is chosen here
+
     def variant(rows):
         return gemm.compiled_variant(m, k, n, epi, ctas, w_block_rows=rows, **knobs)
 
-    knobs, _ = weight_order(tuning)
     blocks_by_default = gemm.reads_blocks(m, k, n, epi, ctas)
     if blocks_by_default:
         try:
             variant(weight_blocks.BLOCK)        # refused where these knobs cannot read blocks
         except ValueError:
             blocks_by_default = False
-    knobs, rows = weight_order(tuning, blocks_by_default)
+    rows = weight_order(tuning, blocks_by_default)[1]
     module, key = variant(rows)
     if module != gemm_wide.__name__:
         raise SystemExit(f"{name}:{m}: runs {module.rsplit('.', 1)[-1]}, not the whole-K tiles: add wide=1")

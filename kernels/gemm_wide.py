@@ -285,8 +285,8 @@ class WideGemmConfig:
         # Shared memory per stage (64-row x buffers), and what TMA delivers into it: with
         # overlapping boxes (a pair's halves of an odd block count) the shared block twice.
         self.stage_bytes = self.wgs * WG_ROWS * BLOCK_K * 2 + self.w_stage_bytes
-        self.stage_tx_bytes = (self.wgs * self.x_box_rows * BLOCK_K * 2
-                               + self.w_boxes * self.w_box_rows * BLOCK_K * 2)
+        self.w_tx_bytes = self.w_boxes * self.w_box_rows * BLOCK_K * 2
+        self.stage_tx_bytes = self.wgs * self.x_box_rows * BLOCK_K * 2 + self.w_tx_bytes
         # A long K takes all the shared memory it can: a PDL dependent then finds no room on our
         # SMs until we exit, which costs less than the shallower ring did.
         long_k = self.k_blocks >= DEEP_PIPELINE_MIN_K_BLOCKS
